@@ -1,0 +1,346 @@
+//! The virtio-net device (virtio 1.2, section 5.1): the virtio_net_hdr,
+//! mergeable RX buffers, the control queue and the config space. It moves
+//! frames between a queue pair's rings and a backend; it knows nothing of
+//! vhost-user or sockets.
+
+use vhostd_backends::NetBackend;
+use virtq::{copy_from_segs, copy_to_segs, Access, Batch, SplitQueue};
+
+/// virtio-net feature bits.
+pub mod features {
+    /// VIRTIO_NET_F_MTU
+    pub const MTU: u64 = 1 << 3;
+    /// VIRTIO_NET_F_MAC
+    pub const MAC: u64 = 1 << 5;
+    /// VIRTIO_NET_F_MRG_RXBUF
+    pub const MRG_RXBUF: u64 = 1 << 15;
+    /// VIRTIO_NET_F_STATUS
+    pub const STATUS: u64 = 1 << 16;
+    /// VIRTIO_NET_F_CTRL_VQ
+    pub const CTRL_VQ: u64 = 1 << 17;
+    /// VIRTIO_NET_F_CTRL_RX
+    pub const CTRL_RX: u64 = 1 << 18;
+    /// VIRTIO_NET_F_MQ
+    pub const MQ: u64 = 1 << 22;
+    /// VIRTIO_NET_F_CTRL_MAC_ADDR
+    pub const CTRL_MAC_ADDR: u64 = 1 << 23;
+}
+
+/// Features the device offers (the transport adds ring features).
+pub const DEVICE_FEATURES: u64 = features::MAC
+    | features::MRG_RXBUF
+    | features::STATUS
+    | features::CTRL_VQ
+    | features::CTRL_RX
+    | features::MQ
+    | features::CTRL_MAC_ADDR;
+
+/// virtio_net_hdr_v1 length (VERSION_1 always uses the 12-byte header).
+pub const HDR_LEN: usize = 12;
+/// VIRTIO_NET_S_LINK_UP
+pub const STATUS_LINK_UP: u16 = 1;
+
+/// The device config space (virtio_net_config), as far as we fill it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// MAC address.
+    pub mac: [u8; 6],
+    /// VIRTIO_NET_S_* bits.
+    pub status: u16,
+    /// Most queue pairs the device has.
+    pub max_queue_pairs: u16,
+    /// MTU advertised (only meaningful with VIRTIO_NET_F_MTU).
+    pub mtu: u16,
+}
+
+impl NetConfig {
+    /// The config space bytes, little-endian as the spec lays them out.
+    pub fn bytes(&self) -> [u8; 12] {
+        let mut b = [0u8; 12];
+        b[0..6].copy_from_slice(&self.mac);
+        b[6..8].copy_from_slice(&self.status.to_le_bytes());
+        b[8..10].copy_from_slice(&self.max_queue_pairs.to_le_bytes());
+        b[10..12].copy_from_slice(&self.mtu.to_le_bytes());
+        b
+    }
+}
+
+/// Per-direction counters of one queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DirStats {
+    /// Frames moved.
+    pub packets: u64,
+    /// Frame bytes moved (headers excluded).
+    pub bytes: u64,
+    /// Frames dropped (reasons below).
+    pub dropped: u64,
+    /// TX chains shorter than the virtio-net header.
+    pub short_header: u64,
+    /// Frames larger than the backend's buffers (TX) or the guest's (RX).
+    pub too_big: u64,
+    /// Batches that moved at least one frame.
+    pub batches: u64,
+}
+
+/// How many frames one batch moves at most.
+pub const BURST: usize = 32;
+
+/// Frames from the guest's TX queue to the backend. Returns frames moved
+/// (and dropped); the caller signals the guest if `tx.needs_notify()`.
+pub fn process_tx(
+    tx: &mut SplitQueue,
+    batch: &mut Batch,
+    backend: &mut dyn NetBackend,
+    stats: &mut DirStats,
+) -> usize {
+    let popped = tx.pop_batch(batch, BURST, Access::ReadOnly);
+    if popped == 0 {
+        return 0;
+    }
+    let bufs = backend.tx_buffers(popped);
+    let take = bufs.len().min(popped);
+    let mut filled = 0;
+    for chain in &batch.chains[..take] {
+        let len = chain.read_len as usize;
+        if len < HDR_LEN {
+            stats.short_header += 1;
+            stats.dropped += 1;
+        } else if len - HDR_LEN > bufs[filled].data.len() {
+            stats.too_big += 1;
+            stats.dropped += 1;
+        } else {
+            let frame = len - HDR_LEN;
+            let buf = &mut bufs[filled];
+            copy_from_segs(batch.readable(chain), HDR_LEN, &mut buf.data[..frame]);
+            buf.len = frame;
+            stats.bytes += frame as u64;
+            filled += 1;
+        }
+        tx.add_used(chain.head, 0);
+    }
+    backend.tx_commit(filled);
+    // Chains the backend had no buffer for go back to the ring for later.
+    tx.unpop((popped - take) as u16);
+    tx.publish_used();
+    stats.packets += filled as u64;
+    stats.batches += 1;
+    take
+}
+
+/// Frames from the backend into the guest's RX queue. `mergeable` is
+/// VIRTIO_NET_F_MRG_RXBUF. Returns frames delivered or dropped; the caller
+/// signals the guest if `rx.needs_notify()`.
+pub fn process_rx(
+    rx: &mut SplitQueue,
+    batch: &mut Batch,
+    backend: &mut dyn NetBackend,
+    mergeable: bool,
+    stats: &mut DirStats,
+) -> usize {
+    let frames = backend.rx_frames(BURST);
+    if frames.is_empty() {
+        return 0;
+    }
+    let done = if mergeable {
+        rx_mergeable(rx, batch, frames, stats)
+    } else {
+        rx_simple(rx, batch, frames, stats)
+    };
+    if done > 0 {
+        backend.rx_consume(done);
+        rx.publish_used();
+        stats.batches += 1;
+    }
+    done
+}
+
+fn header(num_buffers: u16) -> [u8; HDR_LEN] {
+    let mut h = [0u8; HDR_LEN];
+    h[10..12].copy_from_slice(&num_buffers.to_le_bytes());
+    h
+}
+
+/// One chain per frame; a frame that does not fit its chain is dropped
+/// (the chain goes back to the guest with length 0).
+fn rx_simple(
+    rx: &mut SplitQueue,
+    batch: &mut Batch,
+    frames: &[vhostd_backends::FrameBuf],
+    stats: &mut DirStats,
+) -> usize {
+    let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
+    let hdr = header(1);
+    for (chain, f) in batch.chains.iter().zip(frames) {
+        let need = HDR_LEN + f.len;
+        let segs = batch.writable(chain);
+        if (chain.write_len as usize) < need {
+            stats.too_big += 1;
+            stats.dropped += 1;
+            rx.add_used(chain.head, 0);
+            continue;
+        }
+        copy_to_segs(segs, 0, &hdr);
+        copy_to_segs(segs, HDR_LEN, f.frame());
+        rx.add_used(chain.head, need as u32);
+        stats.packets += 1;
+        stats.bytes += f.len as u64;
+    }
+    n
+}
+
+/// A frame may span several chains; num_buffers in the first header says
+/// how many. Chains popped but not needed go back to the ring.
+fn rx_mergeable(
+    rx: &mut SplitQueue,
+    batch: &mut Batch,
+    frames: &[vhostd_backends::FrameBuf],
+    stats: &mut DirStats,
+) -> usize {
+    let mut done = 0;
+    let mut want = frames.len();
+    'refill: loop {
+        let popped = rx.pop_batch(batch, want, Access::WriteOnly);
+        if popped == 0 {
+            return done;
+        }
+        let mut c = 0;
+        while done < frames.len() {
+            let f = &frames[done];
+            let need = HDR_LEN + f.len;
+            // Find how many chains this frame needs.
+            let mut room = 0usize;
+            let mut k = c;
+            while room < need && k < popped {
+                room += batch.chains[k].write_len as usize;
+                k += 1;
+            }
+            if room < need {
+                // Not enough chains popped: give back the unused tail and pop
+                // again, asking for enough; stop if the ring has no more.
+                rx.unpop((popped - c) as u16);
+                if c == 0 && popped >= rx.size() as usize {
+                    // Even the whole ring cannot hold this frame.
+                    stats.too_big += 1;
+                    stats.dropped += 1;
+                    done += 1;
+                    continue 'refill;
+                }
+                if c == 0 && want >= rx.pending() as usize {
+                    return done;
+                }
+                want = if c == 0 { rx.size() as usize } else { frames.len() - done };
+                continue 'refill;
+            }
+            let nbufs = (k - c) as u16;
+            let mut off = 0usize;
+            let mut first = true;
+            for chain in &batch.chains[c..k] {
+                let segs = batch.writable(chain);
+                let mut used = 0usize;
+                if first {
+                    copy_to_segs(segs, 0, &header(nbufs));
+                    used = HDR_LEN;
+                    first = false;
+                }
+                let n = copy_to_segs(segs, used, &f.frame()[off..]);
+                off += n;
+                used += n;
+                rx.add_used(chain.head, used as u32);
+            }
+            stats.packets += 1;
+            stats.bytes += f.len as u64;
+            done += 1;
+            c = k;
+        }
+        rx.unpop((popped - c) as u16);
+        return done;
+    }
+}
+
+/// Control queue classes and commands (virtio 1.2, 5.1.6.5).
+mod ctrl {
+    pub const CLASS_RX: u8 = 0;
+    pub const CLASS_MAC: u8 = 1;
+    pub const CLASS_VLAN: u8 = 2;
+    pub const CLASS_ANNOUNCE: u8 = 3;
+    pub const CLASS_MQ: u8 = 4;
+    pub const MQ_VQ_PAIRS_SET: u8 = 0;
+    pub const MAC_ADDR_SET: u8 = 1;
+    pub const OK: u8 = 0;
+    pub const ERR: u8 = 1;
+}
+
+/// State the control queue changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtrlState {
+    /// Queue pairs the driver uses (VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET).
+    pub active_pairs: u16,
+    /// Most pairs the device has.
+    pub max_pairs: u16,
+    /// MAC set through VIRTIO_NET_CTRL_MAC_ADDR_SET.
+    pub mac: [u8; 6],
+    /// Commands refused (malformed or unsupported).
+    pub errors: u64,
+}
+
+/// Handles the control requests in the ring. Returns the number handled.
+pub fn process_ctrl(q: &mut SplitQueue, batch: &mut Batch, state: &mut CtrlState) -> usize {
+    let n = q.pop_batch(batch, BURST, Access::ReadThenWrite);
+    for chain in &batch.chains {
+        let mut req = [0u8; 64];
+        let got = copy_from_segs(batch.readable(chain), 0, &mut req);
+        let ack = if got < 2 || chain.write_len < 1 {
+            ctrl::ERR
+        } else {
+            let (class, cmd, data) = (req[0], req[1], &req[2..got]);
+            match (class, cmd) {
+                (ctrl::CLASS_MQ, ctrl::MQ_VQ_PAIRS_SET) if data.len() >= 2 => {
+                    let pairs = u16::from_le_bytes([data[0], data[1]]);
+                    if pairs >= 1 && pairs <= state.max_pairs {
+                        state.active_pairs = pairs;
+                        ctrl::OK
+                    } else {
+                        ctrl::ERR
+                    }
+                }
+                (ctrl::CLASS_MAC, ctrl::MAC_ADDR_SET) if data.len() >= 6 => {
+                    state.mac.copy_from_slice(&data[..6]);
+                    ctrl::OK
+                }
+                // RX mode and MAC table: every frame goes to the guest anyway.
+                (ctrl::CLASS_RX, _) | (ctrl::CLASS_MAC, _) | (ctrl::CLASS_ANNOUNCE, _) => ctrl::OK,
+                (ctrl::CLASS_VLAN, _) | _ => ctrl::ERR,
+            }
+        };
+        if ack != ctrl::OK {
+            state.errors += 1;
+        }
+        if chain.write_len >= 1 {
+            copy_to_segs(batch.writable(chain), 0, &[ack]);
+            q.add_used(chain.head, 1);
+        } else {
+            q.add_used(chain.head, 0);
+        }
+    }
+    if n > 0 {
+        q.publish_used();
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_layout() {
+        let c = NetConfig { mac: [2, 0, 0, 0, 0, 1], status: 1, max_queue_pairs: 4, mtu: 1500 };
+        assert_eq!(c.bytes(), [2, 0, 0, 0, 0, 1, 1, 0, 4, 0, 0xdc, 0x05]);
+    }
+
+    #[test]
+    fn header_carries_num_buffers() {
+        assert_eq!(header(3)[10..12], [3, 0]);
+        assert_eq!(header(3)[..10], [0; 10]);
+    }
+}

@@ -1,0 +1,298 @@
+//! The control thread: listens on the socket, serves one frontend at a
+//! time, survives disconnects, and stops cleanly on SIGINT/SIGTERM.
+
+use std::io::{self, Write};
+use std::os::unix::io::{AsRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+
+use vhost::vhost_user::{BackendReqHandler, Error as VuError};
+use vhostd_backends::BackendKind;
+use vhostd_net::CtrlState;
+
+use crate::cli::{BackendArg, NetArgs};
+use crate::session::{Device, Session};
+use crate::worker::{self, Mode, Shared, WorkerReport};
+
+/// Removes the socket file when dropped (also on error paths).
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Binds the socket; a stale socket file (nobody listening) is replaced,
+/// a live one is an error.
+fn bind(path: &Path) -> io::Result<UnixListener> {
+    match UnixListener::bind(path) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("--socket-path {}: another process is listening there", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)?;
+            UnixListener::bind(path)
+        }
+        Err(e) => Err(io::Error::new(e.kind(), format!("--socket-path {}: {e}", path.display()))),
+    }
+}
+
+/// SIGINT and SIGTERM as a readable fd; blocked for every thread spawned after.
+struct Signals(RawFd);
+
+impl Signals {
+    fn new() -> io::Result<Signals> {
+        // SAFETY: plain libc calls on a local sigset; the fd is checked.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(Signals(fd))
+        }
+    }
+}
+
+impl Drop for Signals {
+    fn drop(&mut self) {
+        // SAFETY: we own the fd.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// Waits until one of `fds` is readable (or hung up); returns its position.
+fn wait_readable(fds: &[RawFd]) -> io::Result<usize> {
+    let mut pfds: Vec<libc::pollfd> =
+        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    loop {
+        // SAFETY: pfds is a valid array of pollfd of the given length.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if let Some(i) = pfds.iter().position(|p| p.revents != 0) {
+            return Ok(i);
+        }
+    }
+}
+
+const SET_STATUS: u32 = 39;
+const GET_STATUS: u32 = 40;
+const NEED_REPLY: u32 = 0x8;
+const REPLY: u32 = 0x4;
+const VERSION: u32 = 0x1;
+
+/// The `vhost` crate's handler does not know SET_STATUS / GET_STATUS; we
+/// peek at each header and answer those two ourselves. Returns true if the
+/// message was one of them (and has been consumed).
+fn handle_status_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<bool> {
+    let mut hdr = [0u8; 12];
+    // SAFETY: hdr is a valid buffer of 12 bytes; MSG_PEEK leaves the data
+    // (and any passed fds) in the socket.
+    let n = unsafe {
+        libc::recv(conn.as_raw_fd(), hdr.as_mut_ptr() as *mut libc::c_void, 12, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    if n != 12 {
+        return Ok(false);
+    }
+    let req = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+    let flags = u32::from_le_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
+    let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]);
+    let expected = match req {
+        SET_STATUS => 8,
+        GET_STATUS => 0,
+        _ => return Ok(false),
+    };
+    if size != expected {
+        // Let the generic handler refuse it.
+        return Ok(false);
+    }
+    let mut msg = [0u8; 20];
+    read_exact(conn, &mut msg[..12 + size as usize])?;
+    let mut s = session.lock().map_err(|_| io::Error::other("session lock poisoned"))?;
+    let reply_value = if req == SET_STATUS {
+        let v = u64::from_le_bytes(msg[12..20].try_into().unwrap_or_default());
+        s.set_status(v as u8);
+        if !(flags & NEED_REPLY != 0 && s.reply_ack()) {
+            return Ok(true);
+        }
+        0
+    } else {
+        s.status() as u64
+    };
+    let mut out = [0u8; 20];
+    out[0..4].copy_from_slice(&req.to_le_bytes());
+    out[4..8].copy_from_slice(&(VERSION | REPLY).to_le_bytes());
+    out[8..12].copy_from_slice(&8u32.to_le_bytes());
+    out[12..20].copy_from_slice(&reply_value.to_le_bytes());
+    (&*conn).write_all(&out)?;
+    Ok(true)
+}
+
+fn read_exact(conn: &UnixStream, buf: &mut [u8]) -> io::Result<()> {
+    use std::io::Read;
+    (&*conn).read_exact(buf)
+}
+
+/// Errors after which the byte stream can no longer be trusted.
+fn is_fatal(e: &VuError) -> bool {
+    !matches!(
+        e,
+        VuError::InvalidParam
+            | VuError::InvalidOperation(_)
+            | VuError::InactiveFeature(_)
+            | VuError::InactiveOperation(_)
+            | VuError::ReqHandlerError(_)
+    )
+}
+
+/// Serves one connection until it ends. Returns true if a signal asked us to stop.
+fn serve(conn: UnixStream, dev: &Arc<Device>, signals: &Signals) -> io::Result<bool> {
+    let session = Arc::new(Mutex::new(Session::new(dev.clone())));
+    let mut handler = BackendReqHandler::from_stream(conn.try_clone()?, session.clone());
+    let mut refused = 0u64;
+    let stop = loop {
+        if wait_readable(&[conn.as_raw_fd(), signals.0])? == 1 {
+            break true;
+        }
+        match handle_status_msg(&conn, &session) {
+            Ok(true) => continue,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::info!("frontend connection ended: {e}");
+                break false;
+            }
+        }
+        match handler.handle_request() {
+            Ok(()) => {}
+            Err(VuError::Disconnected) | Err(VuError::PartialMessage) => {
+                tracing::info!("frontend disconnected");
+                break false;
+            }
+            Err(e) if is_fatal(&e) => {
+                tracing::warn!("closing frontend connection: {e}");
+                break false;
+            }
+            Err(e) => {
+                // Refused requests are the frontend's doing: rate-limit the log.
+                refused += 1;
+                if refused <= 10 || refused.is_power_of_two() {
+                    tracing::warn!(count = refused, "request failed: {e}");
+                }
+            }
+        }
+    };
+    if let Ok(mut s) = session.lock() {
+        s.reset();
+    }
+    Ok(stop)
+}
+
+/// Runs the net device until SIGINT/SIGTERM.
+pub fn run_net(args: NetArgs) -> io::Result<()> {
+    let signals = Signals::new()?;
+    let listener = bind(&args.socket_path)?;
+    let _socket_file = SocketFile(args.socket_path.clone());
+    let mac = args.mac.0;
+    let kind = match args.backend {
+        BackendArg::Loopback => BackendKind::Loopback,
+        BackendArg::Sink => BackendKind::Sink,
+        BackendArg::Source => BackendKind::Source { pkt_size: args.pkt_size as usize },
+    };
+    let shared = Arc::new(Shared {
+        active_pairs: AtomicU16::new(args.queues),
+        ctrl: Mutex::new(CtrlState { active_pairs: args.queues, max_pairs: args.queues, mac, errors: 0 }),
+        needs_reset: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+    });
+    let mode = if args.poll { Mode::Poll } else { Mode::Interrupt };
+    let mut workers = Vec::new();
+    for pair in 0..args.queues {
+        let cpu = args.cpus.as_ref().map(|l| l.0[pair as usize % l.0.len()]);
+        workers.push(worker::spawn(pair, vhostd_backends::build(&kind, mac), mode, cpu, shared.clone())?);
+    }
+    let dev = Arc::new(Device { pairs: args.queues, max_queue_size: args.queue_size, mac, workers, shared });
+    eprintln!("vhostd: listening on {}", args.socket_path.display());
+    loop {
+        if wait_readable(&[listener.as_raw_fd(), signals.0])? == 1 {
+            break;
+        }
+        let (conn, _) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                continue;
+            }
+        };
+        tracing::info!("frontend connected");
+        if serve(conn, &dev, &signals)? {
+            break;
+        }
+    }
+    tracing::info!("stopping");
+    dev.shared.stop.store(true, Ordering::Release);
+    let dev = Arc::try_unwrap(dev).map_err(|_| io::Error::other("device still in use at shutdown"))?;
+    let reports: Vec<WorkerReport> = dev.workers.into_iter().map(|w| w.join()).collect();
+    print_stats(&reports);
+    Ok(())
+}
+
+/// Final counters on stdout, one line per queue and a total (a stable,
+/// key=value format that tests and benchmarks parse).
+fn print_stats(reports: &[WorkerReport]) {
+    let mut out = String::new();
+    let (mut txp, mut txb, mut rxp, mut rxb, mut dropped, mut bad, mut cycles) = (0, 0, 0, 0, 0, 0, 0);
+    for r in reports {
+        for (slot, name) in [(0usize, "rx"), (1, "tx"), (2, "ctrl")] {
+            let ring = &r.rings[slot];
+            if slot == 2 && ring.queue.chains == 0 && ring.queue.bad_chains == 0 {
+                continue;
+            }
+            let index = if slot == 2 { 2 * reports.len() } else { 2 * r.pair as usize + slot };
+            let backend_dropped = if slot == 0 { r.backend.dropped } else { 0 };
+            let d = ring.dir.dropped + backend_dropped;
+            out += &format!(
+                "stats queue={index} dir={name} packets={} bytes={} dropped={d} bad_chains={} batches={} kicks={} notifies={} busy_cycles={}\n",
+                ring.dir.packets, ring.dir.bytes, ring.queue.bad_chains, ring.dir.batches, ring.kicks, ring.notifies, ring.busy_cycles
+            );
+            dropped += d;
+            bad += ring.queue.bad_chains;
+            cycles += ring.busy_cycles;
+            match slot {
+                0 => {
+                    rxp += ring.dir.packets;
+                    rxb += ring.dir.bytes;
+                }
+                1 => {
+                    txp += ring.dir.packets;
+                    txb += ring.dir.bytes;
+                }
+                _ => {}
+            }
+        }
+    }
+    let cpp = if txp + rxp > 0 { cycles as f64 / (txp + rxp) as f64 } else { 0.0 };
+    out += &format!(
+        "stats total guest_tx_packets={txp} guest_tx_bytes={txb} guest_rx_packets={rxp} guest_rx_bytes={rxb} dropped={dropped} bad_chains={bad} busy_cycles={cycles} cycles_per_packet={cpp:.1}\n"
+    );
+    let _ = io::stdout().write_all(out.as_bytes());
+    let _ = io::stdout().flush();
+}

@@ -1,0 +1,539 @@
+//! One vhost-user connection: the backend side of the protocol, on the
+//! `vhost` crate's request handler. It owns the memory table and the ring
+//! configuration, and starts and stops rings on the dataplane workers.
+
+use std::fs::File;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vhost::VhostUserMemoryRegionBase;
+use vhost::vhost_user::message::*;
+use vhost::vhost_user::{Backend, GpuBackend, VhostUserBackendReqHandlerMut};
+use vhost::vhost_user::{Error as VuError, Result as VuResult};
+use vhostd_net::{CtrlState, NetConfig, STATUS_LINK_UP};
+use virtq::ring::features as ring_features;
+use virtq::{AddrSpace, GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::worker::{Shared, Slot, WorkerHandle};
+
+/// VHOST_USER_F_PROTOCOL_FEATURES
+const PROTOCOL_FEATURES: u64 = 1 << 30;
+
+/// The device a session serves: what stays across connections.
+pub struct Device {
+    /// Queue pairs.
+    pub pairs: u16,
+    /// Largest ring size accepted.
+    pub max_queue_size: u16,
+    /// MAC address in the config space.
+    pub mac: [u8; 6],
+    /// Dataplane workers, one per queue pair.
+    pub workers: Vec<WorkerHandle>,
+    /// State shared with the workers.
+    pub shared: Arc<Shared>,
+}
+
+impl Device {
+    /// Features offered to the frontend.
+    pub fn features(&self) -> u64 {
+        ring_features::VERSION_1
+            | ring_features::EVENT_IDX
+            | ring_features::INDIRECT_DESC
+            | vhostd_net::DEVICE_FEATURES
+            | PROTOCOL_FEATURES
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::RESET_DEVICE
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::STATUS
+    }
+}
+
+#[derive(Default)]
+struct Vring {
+    num: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+    addr_set: bool,
+    base: u16,
+    kick: Option<EventFd>,
+    /// SET_VRING_KICK arrived (with or without an fd): the ring is started.
+    started: bool,
+    call: Option<EventFd>,
+    err: Option<EventFd>,
+    enabled: bool,
+    /// A started ring that is not running (disabled) keeps its state here.
+    parked: Option<SplitQueue>,
+    running: bool,
+}
+
+/// The state of one connection.
+pub struct Session {
+    dev: Arc<Device>,
+    owner: bool,
+    features: u64,
+    protocol: u64,
+    mem: Arc<GuestMemory>,
+    vrings: Vec<Vring>,
+    status: u8,
+}
+
+fn err(msg: &'static str) -> VuError {
+    tracing::warn!("refused frontend request: {msg}");
+    VuError::InvalidOperation(msg)
+}
+
+fn to_eventfd(f: Option<File>) -> Option<EventFd> {
+    use std::os::unix::io::{FromRawFd, IntoRawFd};
+    // SAFETY: the File owns a valid descriptor which we hand over to the
+    // EventFd; nothing else keeps it.
+    f.map(|f| unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
+}
+
+impl Session {
+    /// A fresh session for the device.
+    pub fn new(dev: Arc<Device>) -> Session {
+        let nrings = 2 * dev.pairs as usize + 1;
+        Session {
+            dev,
+            owner: false,
+            features: 0,
+            protocol: 0,
+            mem: Arc::new(GuestMemory::new()),
+            vrings: (0..nrings).map(|_| Vring::default()).collect(),
+            status: 0,
+        }
+    }
+
+    fn ctrl_index(&self) -> usize {
+        if self.features & vhostd_net::features::MQ != 0 {
+            2 * self.dev.pairs as usize
+        } else {
+            2
+        }
+    }
+
+    /// Worker and slot of ring `i`, or None if the ring does not exist.
+    fn locate(&self, i: usize) -> Option<(usize, Slot)> {
+        let has_ctrl = self.features & vhostd_net::features::CTRL_VQ != 0;
+        if has_ctrl && i == self.ctrl_index() {
+            return Some((0, Slot::Ctrl));
+        }
+        let pairs = if self.features & vhostd_net::features::MQ != 0 { self.dev.pairs as usize } else { 1 };
+        if i < 2 * pairs {
+            Some((i / 2, if i % 2 == 0 { Slot::Rx } else { Slot::Tx }))
+        } else if i < 2 * self.dev.pairs as usize && self.features == 0 {
+            // Before SET_FEATURES the frontend may still set up every ring.
+            Some((i / 2, if i % 2 == 0 { Slot::Rx } else { Slot::Tx }))
+        } else {
+            None
+        }
+    }
+
+    fn vring(&mut self, i: u32) -> VuResult<&mut Vring> {
+        self.vrings.get_mut(i as usize).ok_or_else(|| err("no such ring"))
+    }
+
+    fn check_index(&self, i: u32) -> VuResult<()> {
+        if (i as usize) < self.vrings.len() {
+            Ok(())
+        } else {
+            Err(err("no such ring"))
+        }
+    }
+
+    /// Whether ring `i` should be on its worker now.
+    fn should_run(&self, i: usize) -> bool {
+        let v = &self.vrings[i];
+        // Without VHOST_USER_F_PROTOCOL_FEATURES rings start enabled.
+        let enabled = v.enabled || self.features & PROTOCOL_FEATURES == 0;
+        v.started && enabled && v.addr_set && self.locate(i).is_some()
+    }
+
+    /// Takes ring `i` off its worker (if running), keeping it parked.
+    fn stop_ring(&mut self, i: usize) {
+        let Some((w, slot)) = self.locate(i) else { return };
+        if !self.vrings[i].running {
+            return;
+        }
+        if let Some((q, kick, call)) = self.dev.workers[w].detach(slot) {
+            let v = &mut self.vrings[i];
+            v.base = q.next_avail();
+            v.parked = Some(q);
+            v.kick = kick;
+            v.call = call;
+        }
+        self.vrings[i].running = false;
+    }
+
+    /// Puts ring `i` on its worker if it should run; builds the queue on
+    /// first start. A ring whose addresses are bad is refused and left stopped.
+    fn start_ring(&mut self, i: usize) -> VuResult<()> {
+        if self.vrings[i].running || !self.should_run(i) {
+            return Ok(());
+        }
+        let Some((w, slot)) = self.locate(i) else { return Ok(()) };
+        let queue = match self.vrings[i].parked.take() {
+            Some(q) => q,
+            None => {
+                let v = &self.vrings[i];
+                let cfg = SplitConfig {
+                    size: v.num,
+                    desc: v.desc,
+                    avail: v.avail,
+                    used: v.used,
+                    features: self.features,
+                    next_avail: v.base,
+                };
+                SplitQueue::new(self.mem.clone(), cfg, AddrSpace::FrontendVirtual).map_err(|e| {
+                    tracing::warn!(ring = i, "cannot start ring: {e}");
+                    VuError::InvalidParam
+                })?
+            }
+        };
+        let mergeable = self.features & vhostd_net::features::MRG_RXBUF != 0;
+        let v = &mut self.vrings[i];
+        let kick = v.kick.take();
+        // The worker gives kick and call back when the ring stops.
+        let call = v.call.take();
+        let errfd = v.err.as_ref().and_then(|c| c.try_clone().ok());
+        self.dev.workers[w].attach(slot, queue, kick, call, errfd, mergeable);
+        self.vrings[i].running = true;
+        Ok(())
+    }
+
+    /// Applies a change to ring `i`: stop it, let `f` edit it, restart.
+    fn with_ring_stopped(&mut self, i: usize, f: impl FnOnce(&mut Vring)) -> VuResult<()> {
+        self.stop_ring(i);
+        f(&mut self.vrings[i]);
+        self.start_ring(i)
+    }
+
+    /// Drops every ring and the memory table (disconnect, reset).
+    pub fn reset(&mut self) {
+        for i in 0..self.vrings.len() {
+            self.stop_ring(i);
+        }
+        for v in self.vrings.iter_mut() {
+            *v = Vring::default();
+        }
+        self.mem = Arc::new(GuestMemory::new());
+        self.features = 0;
+        self.status = 0;
+        self.dev.shared.needs_reset.store(false, Ordering::Release);
+        self.dev.shared.active_pairs.store(self.dev.pairs, Ordering::Release);
+        if let Ok(mut c) = self.dev.shared.ctrl.lock() {
+            *c = CtrlState { active_pairs: self.dev.pairs, max_pairs: self.dev.pairs, mac: self.dev.mac, errors: c.errors };
+        }
+    }
+
+    /// Installs a new memory table: running and parked rings are moved onto it.
+    fn replace_memory(&mut self, mem: GuestMemory) -> VuResult<()> {
+        let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running).collect();
+        for &i in &running {
+            self.stop_ring(i);
+        }
+        self.mem = Arc::new(mem);
+        for v in self.vrings.iter_mut() {
+            if let Some(q) = v.parked.take() {
+                match q.remap(self.mem.clone()) {
+                    Ok(q) => v.parked = Some(q),
+                    Err(e) => {
+                        // The ring now points outside memory: it stays stopped.
+                        tracing::warn!("ring dropped after memory change: {e}");
+                        v.base = q.next_avail();
+                        v.started = false;
+                    }
+                }
+            }
+        }
+        for i in running {
+            let _ = self.start_ring(i);
+        }
+        Ok(())
+    }
+
+    fn map_region(gpa: u64, size: u64, uaddr: u64, offset: u64, file: &File) -> VuResult<Region> {
+        // Map from the page holding the region start; offsets that are not
+        // page aligned are mapped from the file start as libvhost-user does.
+        let (map_off, skip) = if offset % 4096 == 0 { (offset, 0) } else { (0, offset) };
+        let len = size.checked_add(skip).ok_or_else(|| err("region size overflows"))?;
+        let mapping = Mapping::map(file, map_off, len).map_err(|e| {
+            tracing::warn!("cannot map memory region: {e}");
+            VuError::InvalidParam
+        })?;
+        Region::new(gpa, size, uaddr, mapping, skip).map_err(|_| err("bad memory region"))
+    }
+
+    /// Device status as GET_STATUS reports it (NEEDS_RESET once a ring broke).
+    pub fn status(&self) -> u8 {
+        let mut s = self.status;
+        if self.dev.shared.needs_reset.load(Ordering::Acquire) {
+            s |= 0x40;
+        }
+        s
+    }
+
+    /// SET_STATUS: status 0 resets the device.
+    pub fn set_status(&mut self, status: u8) {
+        if status == 0 {
+            for i in 0..self.vrings.len() {
+                self.stop_ring(i);
+            }
+            self.dev.shared.needs_reset.store(false, Ordering::Release);
+        }
+        self.status = status;
+    }
+
+    /// Whether the frontend negotiated REPLY_ACK.
+    pub fn reply_ack(&self) -> bool {
+        self.protocol & VhostUserProtocolFeatures::REPLY_ACK.bits() != 0
+            && self.features & PROTOCOL_FEATURES != 0
+    }
+
+    /// Whether the frontend negotiated the STATUS protocol feature.
+    pub fn status_negotiated(&self) -> bool {
+        self.protocol & VhostUserProtocolFeatures::STATUS.bits() != 0
+    }
+}
+
+impl VhostUserBackendReqHandlerMut for Session {
+    fn set_owner(&mut self) -> VuResult<()> {
+        if self.owner {
+            return Err(err("SET_OWNER twice"));
+        }
+        self.owner = true;
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VuResult<()> {
+        self.reset();
+        self.owner = false;
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VuResult<()> {
+        self.reset();
+        Ok(())
+    }
+
+    fn get_features(&mut self) -> VuResult<u64> {
+        Ok(self.dev.features())
+    }
+
+    fn set_features(&mut self, features: u64) -> VuResult<()> {
+        if features & !self.dev.features() != 0 {
+            return Err(err("SET_FEATURES with features we did not offer"));
+        }
+        self.features = features;
+        tracing::debug!("features acked: {features:#x}");
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        ctx: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        _postcopy_listening: Option<bool>,
+    ) -> VuResult<Option<Vec<VhostUserMemoryRegionBase>>> {
+        if ctx.len() != files.len() {
+            return Err(err("SET_MEM_TABLE region and fd counts differ"));
+        }
+        let mut regions = Vec::with_capacity(ctx.len());
+        for (r, f) in ctx.iter().zip(files.iter()) {
+            regions.push(Self::map_region(r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset, f)?);
+        }
+        let mem = GuestMemory::from_regions(regions).map_err(|_| err("memory regions overlap"))?;
+        self.replace_memory(mem)?;
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VuResult<()> {
+        if num == 0 || num > self.dev.max_queue_size as u32 || !num.is_power_of_two() {
+            return Err(err("ring size is zero, not a power of two, or above --queue-size"));
+        }
+        let i = index as usize;
+        self.check_index(index)?;
+        self.with_ring_stopped(i, |v| {
+            v.num = num as u16;
+            v.parked = None;
+        })
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VuResult<()> {
+        self.check_index(index)?;
+        let i = index as usize;
+        self.with_ring_stopped(i, |v| {
+            v.desc = descriptor;
+            v.used = used;
+            v.avail = available;
+            v.addr_set = true;
+            v.parked = None;
+        })
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
+        if base > u16::MAX as u32 {
+            return Err(err("SET_VRING_BASE beyond 16 bits on a split ring"));
+        }
+        self.check_index(index)?;
+        self.with_ring_stopped(index as usize, |v| {
+            v.base = base as u16;
+            v.parked = None;
+        })
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VuResult<VhostUserVringState> {
+        self.check_index(index)?;
+        let i = index as usize;
+        self.stop_ring(i);
+        let v = &mut self.vrings[i];
+        let base = match v.parked.take() {
+            Some(q) => q.next_avail(),
+            None => v.base,
+        };
+        // The ring is stopped until the next SET_VRING_KICK.
+        v.base = base;
+        v.started = false;
+        v.kick = None;
+        Ok(VhostUserVringState::new(index, base as u32))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        self.check_index(index as u32)?;
+        let kick = to_eventfd(fd);
+        self.with_ring_stopped(index as usize, |v| {
+            v.kick = kick;
+            v.started = true;
+        })
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        self.check_index(index as u32)?;
+        let call = to_eventfd(fd);
+        self.with_ring_stopped(index as usize, |v| v.call = call)
+    }
+
+    fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        self.check_index(index as u32)?;
+        let e = to_eventfd(fd);
+        self.with_ring_stopped(index as usize, |v| v.err = e)
+    }
+
+    fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
+        Ok(self.dev.protocol_features())
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
+        if features & !self.dev.protocol_features().bits() != 0 {
+            return Err(err("SET_PROTOCOL_FEATURES with features we did not offer"));
+        }
+        self.protocol = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VuResult<u64> {
+        Ok(self.dev.pairs as u64)
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
+        self.check_index(index)?;
+        self.with_ring_stopped(index as usize, |v| v.enabled = enable)
+    }
+
+    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
+        let mac = self.dev.shared.ctrl.lock().map(|c| c.mac).unwrap_or(self.dev.mac);
+        let cfg = NetConfig { mac, status: STATUS_LINK_UP, max_queue_pairs: self.dev.pairs, mtu: 1500 };
+        let bytes = cfg.bytes();
+        let (off, len) = (offset as usize, size as usize);
+        match off.checked_add(len) {
+            Some(end) if end <= bytes.len() => Ok(bytes[off..end].to_vec()),
+            _ => Err(err("GET_CONFIG outside the config space")),
+        }
+    }
+
+    fn set_config(&mut self, _offset: u32, _buf: &[u8], _flags: VhostUserConfigFlags) -> VuResult<()> {
+        // The virtio-net config space is read-only for the driver.
+        Err(err("SET_CONFIG on virtio-net"))
+    }
+
+    fn set_backend_req_fd(&mut self, _backend: Backend) {}
+
+    fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> VuResult<()> {
+        Err(err("GPU_SET_SOCKET"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VuResult<File> {
+        Err(err("GET_SHARED_OBJECT"))
+    }
+
+    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> VuResult<(VhostUserInflight, File)> {
+        Err(err("GET_INFLIGHT_FD"))
+    }
+
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
+        Err(err("SET_INFLIGHT_FD"))
+    }
+
+    fn get_max_mem_slots(&mut self) -> VuResult<u64> {
+        Ok(virtq::memory::MAX_REGIONS as u64)
+    }
+
+    fn add_mem_region(
+        &mut self,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
+        _postcopy_listening: Option<bool>,
+    ) -> VuResult<Option<VhostUserMemoryRegionBase>> {
+        let r = Self::map_region(region.guest_phys_addr, region.memory_size, region.user_addr, region.mmap_offset, &fd)?;
+        let mem = self.mem.with_region(r).map_err(|e| {
+            tracing::warn!("ADD_MEM_REG refused: {e}");
+            VuError::InvalidParam
+        })?;
+        self.replace_memory(mem)?;
+        Ok(None)
+    }
+
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
+        let mem = self
+            .mem
+            .without_region(region.guest_phys_addr, region.memory_size)
+            .map_err(|_| err("REM_MEM_REG of a region not in the table"))?;
+        self.replace_memory(mem)
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VuResult<Option<File>> {
+        Err(err("SET_DEVICE_STATE_FD"))
+    }
+
+    fn check_device_state(&mut self) -> VuResult<()> {
+        Err(err("CHECK_DEVICE_STATE"))
+    }
+
+    fn get_shmem_config(&mut self) -> VuResult<VhostUserShMemConfig> {
+        Err(err("GET_SHMEM_CONFIG"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
+        Err(err("SET_LOG_BASE"))
+    }
+}

@@ -1,0 +1,487 @@
+//! Dataplane threads: one per queue pair, owning its rings outright (no lock
+//! in the hot path). The control thread hands rings over and takes them back
+//! through a command channel; a wake eventfd interrupts the worker's sleep.
+
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use vhostd_backends::NetBackend;
+use vhostd_net::{process_ctrl, process_rx, process_tx, CtrlState, DirStats};
+use virtq::{Batch, QueueStats, SplitQueue};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// Which ring of a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// The pair's receive queue (host to guest).
+    Rx,
+    /// The pair's transmit queue (guest to host).
+    Tx,
+    /// The control queue (worker 0 only).
+    Ctrl,
+}
+
+impl Slot {
+    fn index(self) -> usize {
+        match self {
+            Slot::Rx => 0,
+            Slot::Tx => 1,
+            Slot::Ctrl => 2,
+        }
+    }
+}
+
+/// What the control thread asks of a worker. Every command is answered on
+/// its reply channel, so the control thread knows the worker has acted.
+pub enum Cmd {
+    /// Start processing a ring.
+    Attach {
+        slot: Slot,
+        queue: SplitQueue,
+        kick: Option<EventFd>,
+        call: Option<EventFd>,
+        err: Option<EventFd>,
+        mergeable: bool,
+        reply: Sender<()>,
+    },
+    /// Stop processing a ring and give it back.
+    Detach { slot: Slot, reply: Sender<Option<(SplitQueue, Option<EventFd>, Option<EventFd>)>> },
+    /// Report counters.
+    Stats { reply: Sender<WorkerReport> },
+}
+
+/// Counters of one ring.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RingReport {
+    /// Frames moved, bytes, drops.
+    pub dir: DirStats,
+    /// Chain validation counters (accumulated over attachments).
+    pub queue: QueueStats,
+    /// Kick eventfd wake-ups.
+    pub kicks: u64,
+    /// Call eventfd signals.
+    pub notifies: u64,
+    /// TSC cycles in iterations of this ring that moved at least one frame.
+    pub busy_cycles: u64,
+}
+
+/// Counters of a worker.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WorkerReport {
+    /// Queue pair index.
+    pub pair: u16,
+    /// RX, TX, control.
+    pub rings: [RingReport; 3],
+    /// Loop iterations that moved nothing / something.
+    pub idle_iters: u64,
+    /// Loop iterations that moved at least one frame.
+    pub busy_iters: u64,
+    /// The backend's own counters.
+    pub backend: vhostd_backends::BackendStats,
+}
+
+/// Shared between the control thread and the workers of one device.
+pub struct Shared {
+    /// Queue pairs the driver enabled through the control queue.
+    pub active_pairs: AtomicU16,
+    /// The control queue's state (MAC, active pairs), updated by worker 0.
+    pub ctrl: std::sync::Mutex<CtrlState>,
+    /// Set when a ring broke: the device reports NEEDS_RESET.
+    pub needs_reset: AtomicBool,
+    /// Set at shutdown.
+    pub stop: AtomicBool,
+}
+
+/// The control thread's handle on a worker.
+pub struct WorkerHandle {
+    tx: Sender<Cmd>,
+    wake: EventFd,
+    pending: Arc<AtomicBool>,
+    thread: Option<JoinHandle<WorkerReport>>,
+}
+
+impl WorkerHandle {
+    /// Sends a command and wakes the worker.
+    pub fn send(&self, cmd: Cmd) {
+        // A send fails only if the worker is gone, which happens only at shutdown.
+        let _ = self.tx.send(cmd);
+        self.pending.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+    }
+
+    /// Hands a ring to the worker and waits until it runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attach(
+        &self,
+        slot: Slot,
+        queue: SplitQueue,
+        kick: Option<EventFd>,
+        call: Option<EventFd>,
+        err: Option<EventFd>,
+        mergeable: bool,
+    ) {
+        let (reply, rx) = channel();
+        self.send(Cmd::Attach { slot, queue, kick, call, err, mergeable, reply });
+        let _ = rx.recv();
+    }
+
+    /// Takes a ring back (with its kick and call eventfds).
+    pub fn detach(&self, slot: Slot) -> Option<(SplitQueue, Option<EventFd>, Option<EventFd>)> {
+        let (reply, rx) = channel();
+        self.send(Cmd::Detach { slot, reply });
+        rx.recv().ok().flatten()
+    }
+
+    /// Current counters.
+    pub fn report(&self) -> WorkerReport {
+        let (reply, rx) = channel();
+        self.send(Cmd::Stats { reply });
+        rx.recv().unwrap_or_default()
+    }
+
+    /// Stops the thread and returns its final counters.
+    pub fn join(mut self) -> WorkerReport {
+        self.pending.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default()
+    }
+}
+
+struct Ring {
+    queue: Option<SplitQueue>,
+    kick: Option<EventFd>,
+    call: Option<EventFd>,
+    err: Option<EventFd>,
+    batch: Batch,
+    report: RingReport,
+    err_signalled: bool,
+}
+
+impl Ring {
+    fn new() -> Ring {
+        Ring {
+            queue: None,
+            kick: None,
+            call: None,
+            err: None,
+            batch: Batch::new(),
+            report: RingReport::default(),
+            err_signalled: false,
+        }
+    }
+
+    /// Tells the guest about published used entries if it wants to hear.
+    #[inline]
+    fn notify(&mut self) {
+        if let Some(q) = self.queue.as_mut() {
+            if q.needs_notify() {
+                if let Some(call) = &self.call {
+                    let _ = call.write(1);
+                }
+                self.report.notifies += 1;
+            }
+        }
+    }
+}
+
+/// How the worker waits for work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Sleep on the kick eventfds when idle.
+    Interrupt,
+    /// Spin while rings are attached (kicks suppressed with NO_NOTIFY).
+    Poll,
+}
+
+struct Worker {
+    pair: u16,
+    rings: [Ring; 3],
+    mergeable: bool,
+    backend: Box<dyn NetBackend>,
+    mode: Mode,
+    cmds: Receiver<Cmd>,
+    wake: EventFd,
+    pending: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+    epoll: Epoll,
+    idle_iters: u64,
+    busy_iters: u64,
+}
+
+const WAKE_TOKEN: u64 = u64::MAX;
+
+/// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
+pub fn spawn(
+    pair: u16,
+    backend: Box<dyn NetBackend>,
+    mode: Mode,
+    cpu: Option<usize>,
+    shared: Arc<Shared>,
+) -> std::io::Result<WorkerHandle> {
+    let (tx, cmds) = channel();
+    let wake = EventFd::new(EFD_NONBLOCK)?;
+    let pending = Arc::new(AtomicBool::new(false));
+    let epoll = Epoll::new()?;
+    epoll.ctl(
+        ControlOperation::Add,
+        wake.as_raw_fd(),
+        EpollEvent::new(EventSet::IN, WAKE_TOKEN),
+    )?;
+    let worker = Worker {
+        pair,
+        rings: [Ring::new(), Ring::new(), Ring::new()],
+        mergeable: false,
+        backend,
+        mode,
+        cmds,
+        wake: wake.try_clone()?,
+        pending: pending.clone(),
+        shared,
+        epoll,
+        idle_iters: 0,
+        busy_iters: 0,
+    };
+    let thread = std::thread::Builder::new()
+        .name(format!("vhostd-q{pair}"))
+        .spawn(move || {
+            if let Some(cpu) = cpu {
+                pin_to_cpu(cpu);
+            }
+            worker.run()
+        })?;
+    Ok(WorkerHandle { tx, wake, pending, thread: Some(thread) })
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; CPU_SET bounds-checks against the
+    // set's size; sched_setaffinity(0, ..) affects only this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            tracing::warn!(cpu, "could not pin worker: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
+#[inline]
+fn tsc() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: rdtsc has no preconditions on x86_64.
+        unsafe { core::arch::x86_64::_rdtsc() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        0
+    }
+}
+
+impl Worker {
+    fn run(mut self) -> WorkerReport {
+        loop {
+            if self.pending.load(Ordering::Acquire) {
+                self.pending.store(false, Ordering::Relaxed);
+                self.handle_cmds();
+                if self.shared.stop.load(Ordering::Acquire) {
+                    break;
+                }
+            }
+            let moved = self.poll_once();
+            if moved > 0 {
+                self.busy_iters += 1;
+                continue;
+            }
+            self.idle_iters += 1;
+            let attached = self.rings.iter().any(|r| r.queue.is_some());
+            // A ring started without a kick fd must be polled.
+            let must_poll = self.rings.iter().any(|r| r.queue.is_some() && r.kick.is_none());
+            if attached && (self.mode == Mode::Poll || must_poll) {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Idle: ask for kicks, re-check, then sleep.
+            if self.enable_notifications() {
+                self.disable_notifications();
+                continue;
+            }
+            self.sleep();
+            self.disable_notifications();
+        }
+        self.report()
+    }
+
+    fn report(&self) -> WorkerReport {
+        let mut r = WorkerReport { pair: self.pair, ..Default::default() };
+        for (i, ring) in self.rings.iter().enumerate() {
+            r.rings[i] = ring.report;
+            if let Some(q) = &ring.queue {
+                r.rings[i].queue = add_queue_stats(ring.report.queue, q.stats);
+            }
+        }
+        r.idle_iters = self.idle_iters;
+        r.busy_iters = self.busy_iters;
+        r.backend = self.backend.stats();
+        r
+    }
+
+    fn handle_cmds(&mut self) {
+        while let Ok(cmd) = self.cmds.try_recv() {
+            match cmd {
+                Cmd::Attach { slot, mut queue, kick, call, err, mergeable, reply } => {
+                    let ring = &mut self.rings[slot.index()];
+                    if let Some(k) = &kick {
+                        let _ = self.epoll.ctl(
+                            ControlOperation::Add,
+                            k.as_raw_fd(),
+                            EpollEvent::new(EventSet::IN, slot.index() as u64),
+                        );
+                    }
+                    if self.mode == Mode::Poll {
+                        queue.disable_notifications();
+                    }
+                    ring.queue = Some(queue);
+                    ring.kick = kick;
+                    ring.call = call;
+                    ring.err = err;
+                    ring.err_signalled = false;
+                    if slot != Slot::Ctrl {
+                        self.mergeable = mergeable;
+                    }
+                    let _ = reply.send(());
+                }
+                Cmd::Detach { slot, reply } => {
+                    let ring = &mut self.rings[slot.index()];
+                    if let Some(k) = &ring.kick {
+                        let _ = self.epoll.ctl(
+                            ControlOperation::Delete,
+                            k.as_raw_fd(),
+                            EpollEvent::default(),
+                        );
+                    }
+                    let out = ring.queue.take().map(|mut q| {
+                        ring.report.queue = add_queue_stats(ring.report.queue, q.stats);
+                        q.stats = QueueStats::default();
+                        (q, ring.kick.take(), ring.call.take())
+                    });
+                    ring.err = None;
+                    let _ = reply.send(out);
+                }
+                Cmd::Stats { reply } => {
+                    let _ = reply.send(self.report());
+                }
+            }
+        }
+    }
+
+    /// One pass over the rings: TX, then RX, then control. Returns frames moved.
+    #[inline]
+    fn poll_once(&mut self) -> usize {
+        let mut moved = 0;
+        let t0 = tsc();
+        let [rx, tx, ctrl] = &mut self.rings;
+        if let Some(q) = tx.queue.as_mut() {
+            let n = process_tx(q, &mut tx.batch, self.backend.as_mut(), &mut tx.report.dir);
+            if n > 0 {
+                tx.notify();
+                moved += n;
+            }
+        }
+        let t1 = tsc();
+        if moved > 0 {
+            tx.report.busy_cycles += t1 - t0;
+        }
+        let active = self.pair < self.shared.active_pairs.load(Ordering::Relaxed);
+        if let (Some(q), true) = (rx.queue.as_mut(), active) {
+            let n = process_rx(q, &mut rx.batch, self.backend.as_mut(), self.mergeable, &mut rx.report.dir);
+            if n > 0 {
+                rx.notify();
+                rx.report.busy_cycles += tsc() - t1;
+                moved += n;
+            }
+        }
+        if let Some(q) = ctrl.queue.as_mut() {
+            let mut state = match self.shared.ctrl.lock() {
+                Ok(s) => *s,
+                Err(_) => return moved,
+            };
+            let n = process_ctrl(q, &mut ctrl.batch, &mut state);
+            if n > 0 {
+                self.shared.active_pairs.store(state.active_pairs, Ordering::Relaxed);
+                if let Ok(mut s) = self.shared.ctrl.lock() {
+                    *s = state;
+                }
+                ctrl.notify();
+                moved += n;
+            }
+        }
+        for ring in self.rings.iter_mut() {
+            if let Some(q) = &ring.queue {
+                if q.is_broken() && !ring.err_signalled {
+                    ring.err_signalled = true;
+                    self.shared.needs_reset.store(true, Ordering::Release);
+                    tracing::error!(pair = self.pair, "guest broke a ring; device needs reset");
+                    if let Some(e) = &ring.err {
+                        let _ = e.write(1);
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    fn enable_notifications(&mut self) -> bool {
+        let mut more = false;
+        for ring in self.rings.iter_mut() {
+            if let Some(q) = ring.queue.as_mut() {
+                more |= q.enable_notifications();
+            }
+        }
+        more
+    }
+
+    fn disable_notifications(&mut self) {
+        for ring in self.rings.iter_mut() {
+            if let Some(q) = ring.queue.as_mut() {
+                q.disable_notifications();
+            }
+        }
+    }
+
+    fn sleep(&mut self) {
+        let mut events = [EpollEvent::default(); 8];
+        let n = match self.epoll.wait(-1, &mut events) {
+            Ok(n) => n,
+            Err(_) => return,
+        };
+        for ev in &events[..n] {
+            let token = ev.data();
+            if token == WAKE_TOKEN {
+                let _ = self.wake.read();
+            } else if let Some(ring) = self.rings.get_mut(token as usize) {
+                if let Some(k) = &ring.kick {
+                    let _ = k.read();
+                }
+                ring.report.kicks += 1;
+            }
+        }
+    }
+}
+
+fn add_queue_stats(a: QueueStats, b: QueueStats) -> QueueStats {
+    QueueStats {
+        chains: a.chains + b.chains,
+        bad_chains: a.bad_chains + b.bad_chains,
+        bad_index: a.bad_index + b.bad_index,
+        bad_loop: a.bad_loop + b.bad_loop,
+        bad_address: a.bad_address + b.bad_address,
+        bad_direction: a.bad_direction + b.bad_direction,
+        bad_indirect: a.bad_indirect + b.bad_indirect,
+        batches: a.batches + b.batches,
+        used_publishes: a.used_publishes + b.used_publishes,
+    }
+}

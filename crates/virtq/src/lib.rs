@@ -1,0 +1,16 @@
+//! virtq: the device side (and a driver side for tests and the frontend) of
+//! virtio split virtqueues living in shared guest memory.
+//!
+//! This is the hot path of vhostd, written here rather than taken from
+//! `virtio-queue` (see `split.rs` for why). It knows nothing of vhost-user,
+//! devices or backends.
+
+pub mod memory;
+pub mod ring;
+pub mod split;
+
+pub use memory::{GuestMemory, Mapping, MemoryError, Region};
+pub use split::{
+    copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, ChainError, QueueStats, Seg,
+    SetupError, SplitConfig, SplitQueue,
+};

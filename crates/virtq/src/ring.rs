@@ -1,0 +1,48 @@
+//! Split-ring layout constants shared by the device and driver sides
+//! (virtio 1.2, section 2.7).
+
+/// Feature bits this crate understands.
+pub mod features {
+    /// VIRTIO_F_INDIRECT_DESC
+    pub const INDIRECT_DESC: u64 = 1 << 28;
+    /// VIRTIO_F_EVENT_IDX
+    pub const EVENT_IDX: u64 = 1 << 29;
+    /// VIRTIO_F_VERSION_1
+    pub const VERSION_1: u64 = 1 << 32;
+}
+
+/// Descriptor flag: the chain continues in `next`.
+pub const VRING_DESC_F_NEXT: u16 = 1;
+/// Descriptor flag: the buffer is device-writable.
+pub const VRING_DESC_F_WRITE: u16 = 2;
+/// Descriptor flag: the buffer holds an indirect descriptor table.
+pub const VRING_DESC_F_INDIRECT: u16 = 4;
+/// avail.flags: the driver asks for no interrupt (only meaningful without EVENT_IDX).
+pub const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+/// used.flags: the device asks for no kick (only meaningful without EVENT_IDX).
+pub const VRING_USED_F_NO_NOTIFY: u16 = 1;
+
+/// Size in bytes of one descriptor.
+pub const DESC_SIZE: u64 = 16;
+/// Largest queue size the split ring allows.
+pub const MAX_QUEUE_SIZE: u16 = 32768;
+
+/// Descriptor table size for a queue of `n` entries.
+pub fn desc_table_size(n: u16) -> u64 {
+    DESC_SIZE * n as u64
+}
+/// Available ring size (flags, idx, ring[n], used_event).
+pub fn avail_ring_size(n: u16) -> u64 {
+    6 + 2 * n as u64
+}
+/// Used ring size (flags, idx, ring[n] of {id,len}, avail_event).
+pub fn used_ring_size(n: u16) -> u64 {
+    6 + 8 * n as u64
+}
+
+/// The spec's `vring_need_event`: should an event be sent given the other
+/// side asked to hear about index `event`, and the index moved from `old` to `new`?
+#[inline]
+pub fn need_event(event: u16, new: u16, old: u16) -> bool {
+    new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+}
