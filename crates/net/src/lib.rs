@@ -97,6 +97,13 @@ pub fn process_tx(
     if popped == 0 {
         return 0;
     }
+    // Start fetching every frame before copying the first.
+    for chain in &batch.chains {
+        if let Some(seg) = batch.readable(chain).first() {
+            virtq::split::prefetch(seg.addr);
+            virtq::split::prefetch(seg.addr.wrapping_add(64));
+        }
+    }
     let bufs = backend.tx_buffers(popped);
     let take = bufs.len().min(popped);
     let mut filled = 0;
@@ -169,6 +176,11 @@ fn rx_simple(
     stats: &mut DirStats,
 ) -> usize {
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
+    for chain in &batch.chains {
+        if let Some(seg) = batch.writable(chain).first() {
+            virtq::split::prefetch(seg.addr);
+        }
+    }
     let hdr = header(1);
     for (chain, f) in batch.chains.iter().zip(frames) {
         let need = HDR_LEN + f.len;
