@@ -93,9 +93,19 @@ pub fn process_tx(
     backend: &mut dyn NetBackend,
     stats: &mut DirStats,
 ) -> usize {
-    let popped = tx.pop_batch(batch, BURST, Access::ReadOnly);
-    if popped == 0 {
+    let pending = tx.pending() as usize;
+    if pending == 0 {
         return 0;
+    }
+    // Ask the backend for room first, and pop no more chains than it has.
+    let bufs = backend.tx_buffers(pending.min(BURST));
+    let bad_before = tx.stats.bad_chains;
+    let popped = tx.pop_batch(batch, bufs.len(), Access::ReadOnly);
+    let rejected = (tx.stats.bad_chains - bad_before) as usize;
+    if popped == 0 {
+        backend.tx_commit(0);
+        tx.flush_used();
+        return rejected;
     }
     // Start fetching every frame before copying the first.
     for chain in &batch.chains {
@@ -104,10 +114,8 @@ pub fn process_tx(
             virtq::split::prefetch(seg.addr.wrapping_add(64));
         }
     }
-    let bufs = backend.tx_buffers(popped);
-    let take = bufs.len().min(popped);
     let mut filled = 0;
-    for chain in &batch.chains[..take] {
+    for chain in &batch.chains {
         let len = chain.read_len as usize;
         if len < HDR_LEN {
             stats.short_header += 1;
@@ -126,12 +134,10 @@ pub fn process_tx(
         tx.add_used(chain.head, 0);
     }
     backend.tx_commit(filled);
-    // Chains the backend had no buffer for go back to the ring for later.
-    tx.unpop((popped - take) as u16);
     tx.publish_used();
     stats.packets += filled as u64;
     stats.batches += 1;
-    take
+    popped + rejected
 }
 
 /// Frames from the backend into the guest's RX queue. `mergeable` is
@@ -148,6 +154,7 @@ pub fn process_rx(
     if frames.is_empty() {
         return 0;
     }
+    let bad_before = rx.stats.bad_chains;
     let done = if mergeable {
         rx_mergeable(rx, batch, frames, stats)
     } else {
@@ -155,10 +162,10 @@ pub fn process_rx(
     };
     if done > 0 {
         backend.rx_consume(done);
-        rx.publish_used();
         stats.batches += 1;
     }
-    done
+    rx.flush_used();
+    done + (rx.stats.bad_chains - bad_before) as usize
 }
 
 fn header(num_buffers: u16) -> [u8; HDR_LEN] {
@@ -211,6 +218,9 @@ fn rx_mergeable(
     let mut done = 0;
     let mut want = frames.len();
     'refill: loop {
+        if done == frames.len() {
+            return done;
+        }
         let popped = rx.pop_batch(batch, want, Access::WriteOnly);
         if popped == 0 {
             return done;
@@ -225,6 +235,18 @@ fn rx_mergeable(
             while room < need && k < popped {
                 room += batch.chains[k].write_len as usize;
                 k += 1;
+            }
+            if room < need && batch.ended_before_bad {
+                // A bad chain sits right after these: the frame cannot be
+                // placed in order. Drop it and return the chains empty; the
+                // next pop starts with (and completes) the bad chain.
+                for chain in &batch.chains[c..popped] {
+                    rx.add_used(chain.head, 0);
+                }
+                stats.dropped += 1;
+                done += 1;
+                want = frames.len().saturating_sub(done).max(1);
+                continue 'refill;
             }
             if room < need {
                 // Not enough chains popped: give back the unused tail and pop
@@ -250,8 +272,9 @@ fn rx_mergeable(
                 let segs = batch.writable(chain);
                 let mut used = 0usize;
                 if first {
-                    copy_to_segs(segs, 0, &header(nbufs));
-                    used = HDR_LEN;
+                    // A driver must post buffers of at least a header; one
+                    // that did not gets a truncated header, nothing worse.
+                    used = copy_to_segs(segs, 0, &header(nbufs));
                     first = false;
                 }
                 let n = copy_to_segs(segs, used, &f.frame()[off..]);
@@ -334,9 +357,7 @@ pub fn process_ctrl(q: &mut SplitQueue, batch: &mut Batch, state: &mut CtrlState
             q.add_used(chain.head, 0);
         }
     }
-    if n > 0 {
-        q.publish_used();
-    }
+    q.flush_used();
     n
 }
 

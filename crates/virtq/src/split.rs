@@ -47,6 +47,8 @@ pub struct Batch {
     /// The chains, in avail order.
     pub chains: Vec<Chain>,
     segs: Vec<Seg>,
+    /// The batch ended before a bad chain (which the next batch starts with).
+    pub ended_before_bad: bool,
 }
 
 // SAFETY: the raw pointers in `segs` point into guest memory that the queue's
@@ -57,13 +59,14 @@ unsafe impl Send for Batch {}
 impl Batch {
     /// An empty batch.
     pub fn new() -> Batch {
-        Batch { chains: Vec::with_capacity(256), segs: Vec::with_capacity(1024) }
+        Batch { chains: Vec::with_capacity(256), segs: Vec::with_capacity(1024), ended_before_bad: false }
     }
 
     /// Forgets all chains.
     pub fn clear(&mut self) {
         self.chains.clear();
         self.segs.clear();
+        self.ended_before_bad = false;
     }
 
     /// Number of chains.
@@ -221,8 +224,12 @@ pub struct SplitQueue {
     event_idx: bool,
     indirect: bool,
     next_avail: u16,
+    /// avail.idx as last read (entries up to it are published and fenced).
+    avail_seen: u16,
     /// Shadow of used.idx: entries written but maybe not yet published.
     next_used: u16,
+    /// used.idx as last stored.
+    published_used: u16,
     /// used.idx as of the last notify decision.
     signalled_used: u16,
     signalled_valid: bool,
@@ -292,7 +299,9 @@ impl SplitQueue {
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
             next_avail: cfg.next_avail,
+            avail_seen: cfg.next_avail,
             next_used: 0,
+            published_used: 0,
             signalled_used: 0,
             signalled_valid: false,
             notifications_disabled: false,
@@ -301,6 +310,7 @@ impl SplitQueue {
             stats: QueueStats::default(),
         };
         q.next_used = q.read_u16(q.used, USED_IDX);
+        q.published_used = q.next_used;
         Ok(q)
     }
 
@@ -311,6 +321,7 @@ impl SplitQueue {
         cfg.next_avail = self.next_avail;
         let mut q = SplitQueue::new(mem, cfg, self.space)?;
         q.next_used = self.next_used;
+        q.published_used = self.published_used;
         q.stats = self.stats;
         q.broken = self.broken;
         Ok(q)
@@ -374,31 +385,39 @@ impl SplitQueue {
         }
     }
 
-    /// How many chains the driver has made available and we have not popped.
-    /// Marks the ring broken if avail.idx ran ahead by more than the size.
+    /// How many chains the driver has made available and we have not popped
+    /// (reads avail.idx). Marks the ring broken if avail.idx ran ahead by
+    /// more than the queue size.
     pub fn pending(&mut self) -> u16 {
-        let n = self.avail_idx().wrapping_sub(self.next_avail);
+        let idx = self.avail_idx();
+        let n = idx.wrapping_sub(self.next_avail);
         if n > self.cfg.size {
             self.broken = true;
             return 0;
         }
+        // Read descriptors only after seeing the index that published them.
+        fence(Ordering::Acquire);
+        self.avail_seen = idx;
         n
     }
 
     /// Pops up to `max` chains into `batch` (cleared first), reading
-    /// avail.idx once. Bad chains are completed with length 0, counted, and
-    /// not returned. Returns the number of chains in `batch`.
+    /// avail.idx at most once (not at all if a previous read already showed
+    /// `max` chains). Bad chains are completed with length 0, counted, and
+    /// not returned; they only ever precede the good chains of a batch, so
+    /// `unpop` never rewinds over one. Returns the number of chains in `batch`.
     pub fn pop_batch(&mut self, batch: &mut Batch, max: usize, access: Access) -> usize {
         batch.clear();
-        if self.broken {
+        if self.broken || max == 0 {
             return 0;
         }
-        let avail = self.pending();
+        let mut avail = self.avail_seen.wrapping_sub(self.next_avail);
+        if (avail as usize) < max {
+            avail = self.pending();
+        }
         if avail == 0 {
             return 0;
         }
-        // Read descriptors only after seeing the index that published them.
-        fence(Ordering::Acquire);
         let n = (avail as usize).min(max);
         // Read the heads of a group first and prefetch their descriptors, so
         // the cache misses on lines the driver just wrote overlap.
@@ -428,7 +447,7 @@ impl SplitQueue {
     }
 
     /// Parses the chains of `heads` (already read from the avail ring).
-    /// Returns false if the ring broke.
+    /// Returns false if the batch must end here.
     fn pop_group(&mut self, batch: &mut Batch, heads: &[u16], access: Access) -> bool {
         for &head in heads {
             self.next_avail = self.next_avail.wrapping_add(1);
@@ -443,6 +462,15 @@ impl SplitQueue {
                 Ok(mut chain) => {
                     chain.seg_start = seg_start as u32;
                     batch.chains.push(chain);
+                }
+                Err(_) if !batch.chains.is_empty() => {
+                    // End the batch before a bad chain so that good chains
+                    // stay contiguous at its end; the next batch starts with
+                    // this one and completes it.
+                    batch.segs.truncate(seg_start);
+                    self.next_avail = self.next_avail.wrapping_sub(1);
+                    batch.ended_before_bad = true;
+                    return false;
                 }
                 Err(e) => {
                     batch.segs.truncate(seg_start);
@@ -539,8 +567,9 @@ impl SplitQueue {
         Ok(chain)
     }
 
-    /// Gives back the last `n` popped chains unprocessed (the device could
-    /// not use them now); they will be popped again.
+    /// Gives back the last `n` chains of the last `pop_batch` unprocessed
+    /// (the device could not use them now); they will be popped again.
+    /// `n` must not exceed the number of chains that batch returned.
     pub fn unpop(&mut self, n: u16) {
         self.next_avail = self.next_avail.wrapping_sub(n);
     }
@@ -567,7 +596,18 @@ impl SplitQueue {
         // Used elements must be visible before the index that publishes them.
         fence(Ordering::Release);
         self.write_u16(self.used, USED_IDX, self.next_used);
+        self.published_used = self.next_used;
         self.stats.used_publishes += 1;
+    }
+
+    /// Publishes used elements if any are unpublished; returns whether it did.
+    #[inline]
+    pub fn flush_used(&mut self) -> bool {
+        if self.next_used == self.published_used {
+            return false;
+        }
+        self.publish_used();
+        true
     }
 
     /// Whether the driver wants an interrupt for what was published since
