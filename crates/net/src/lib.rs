@@ -185,7 +185,8 @@ fn rx_simple(
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
     for chain in &batch.chains {
         if let Some(seg) = batch.writable(chain).first() {
-            virtq::split::prefetch(seg.addr);
+            virtq::split::prefetch_write(seg.addr);
+            virtq::split::prefetch_write(seg.addr.wrapping_add(64));
         }
     }
     let hdr = header(1);

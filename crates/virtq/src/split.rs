@@ -458,6 +458,32 @@ impl SplitQueue {
                 return false;
             }
             let seg_start = batch.segs.len();
+            // Fast path: one direct descriptor inside one region (what
+            // network drivers post almost always).
+            let d = Self::read_desc(self.desc, head);
+            if d.flags & (VRING_DESC_F_NEXT | VRING_DESC_F_INDIRECT) == 0 && d.len != 0 {
+                let write = d.flags & VRING_DESC_F_WRITE != 0;
+                let direction_ok = match access {
+                    Access::ReadOnly => !write,
+                    Access::WriteOnly => write,
+                    Access::ReadThenWrite => true,
+                };
+                if direction_ok {
+                    if let Some(addr) = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint) {
+                        batch.segs.push(Seg { addr, len: d.len });
+                        let (n_read, n_write) = if write { (0, 1) } else { (1, 0) };
+                        batch.chains.push(Chain {
+                            head,
+                            seg_start: seg_start as u32,
+                            n_read,
+                            n_write,
+                            read_len: if write { 0 } else { d.len },
+                            write_len: if write { d.len } else { 0 },
+                        });
+                        continue;
+                    }
+                }
+            }
             match self.parse_chain(head, batch, access) {
                 Ok(mut chain) => {
                     chain.seg_start = seg_start as u32;
@@ -668,6 +694,19 @@ pub fn prefetch(p: *const u8) {
     #[allow(unused_unsafe)]
     unsafe {
         core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Hints the CPU to fetch the cache line at `p` for writing.
+#[inline(always)]
+pub fn prefetch_write(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetchw never faults and changes no architectural state;
+    // CPUs without PRFCHW execute it as a no-op.
+    unsafe {
+        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly))
     };
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
