@@ -44,7 +44,8 @@ fn bind(path: &Path) -> io::Result<UnixListener> {
     }
 }
 
-/// SIGINT and SIGTERM as a readable fd; blocked for every thread spawned after.
+/// SIGINT, SIGTERM (stop) and SIGUSR1 (print counters) as a readable fd;
+/// blocked for every thread spawned after.
 struct Signals(RawFd);
 
 impl Signals {
@@ -55,6 +56,7 @@ impl Signals {
             libc::sigemptyset(&mut set);
             libc::sigaddset(&mut set, libc::SIGINT);
             libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::sigaddset(&mut set, libc::SIGUSR1);
             if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -63,6 +65,30 @@ impl Signals {
                 return Err(io::Error::last_os_error());
             }
             Ok(Signals(fd))
+        }
+    }
+}
+
+/// What a pending signal asks for.
+enum SignalAsk {
+    Stop,
+    PrintStats,
+    Nothing,
+}
+
+impl Signals {
+    fn take(&self) -> SignalAsk {
+        // SAFETY: signalfd_siginfo is plain data; read fills at most its size.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let n = unsafe {
+            libc::read(self.0, &mut info as *mut _ as *mut libc::c_void, std::mem::size_of::<libc::signalfd_siginfo>())
+        };
+        if n != std::mem::size_of::<libc::signalfd_siginfo>() as isize {
+            return SignalAsk::Nothing;
+        }
+        match info.ssi_signo as i32 {
+            libc::SIGUSR1 => SignalAsk::PrintStats,
+            _ => SignalAsk::Stop,
         }
     }
 }
@@ -94,16 +120,18 @@ fn wait_readable(fds: &[RawFd]) -> io::Result<usize> {
     }
 }
 
+const SET_VRING_ENABLE: u32 = 18;
 const SET_STATUS: u32 = 39;
 const GET_STATUS: u32 = 40;
 const NEED_REPLY: u32 = 0x8;
 const REPLY: u32 = 0x4;
 const VERSION: u32 = 0x1;
 
-/// The `vhost` crate's handler does not know SET_STATUS / GET_STATUS; we
-/// peek at each header and answer those two ourselves. Returns true if the
-/// message was one of them (and has been consumed).
-fn handle_status_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<bool> {
+/// The `vhost` crate's handler does not know SET_STATUS / GET_STATUS, and
+/// refuses SET_VRING_ENABLE before SET_FEATURES (QEMU sends it earlier), so
+/// we peek at each header and answer those three ourselves. Returns true if
+/// the message was one of them (and has been consumed).
+fn handle_own_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<bool> {
     let mut hdr = [0u8; 12];
     // SAFETY: hdr is a valid buffer of 12 bytes; MSG_PEEK leaves the data
     // (and any passed fds) in the socket.
@@ -117,7 +145,7 @@ fn handle_status_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<
     let flags = u32::from_le_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]);
     let size = u32::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]);
     let expected = match req {
-        SET_STATUS => 8,
+        SET_STATUS | SET_VRING_ENABLE => 8,
         GET_STATUS => 0,
         _ => return Ok(false),
     };
@@ -128,15 +156,22 @@ fn handle_status_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<
     let mut msg = [0u8; 20];
     read_exact(conn, &mut msg[..12 + size as usize])?;
     let mut s = session.lock().map_err(|_| io::Error::other("session lock poisoned"))?;
-    let reply_value = if req == SET_STATUS {
-        let v = u64::from_le_bytes(msg[12..20].try_into().unwrap_or_default());
-        s.set_status(v as u8);
-        if !(flags & NEED_REPLY != 0 && s.reply_ack()) {
-            return Ok(true);
+    let body = u64::from_le_bytes(msg[12..20].try_into().unwrap_or_default());
+    let reply_value = match req {
+        GET_STATUS => s.status() as u64,
+        _ => {
+            let ok = if req == SET_STATUS {
+                s.set_status(body as u8);
+                true
+            } else {
+                let (index, num) = (body as u32, (body >> 32) as u32);
+                num <= 1 && s.vring_enable(index, num == 1).is_ok()
+            };
+            if !(flags & NEED_REPLY != 0 && s.reply_ack()) {
+                return Ok(true);
+            }
+            u64::from(!ok)
         }
-        0
-    } else {
-        s.status() as u64
     };
     let mut out = [0u8; 20];
     out[0..4].copy_from_slice(&req.to_le_bytes());
@@ -171,9 +206,14 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, signals: &Signals) -> io::Result<b
     let mut refused = 0u64;
     let stop = loop {
         if wait_readable(&[conn.as_raw_fd(), signals.0])? == 1 {
-            break true;
+            match signals.take() {
+                SignalAsk::Stop => break true,
+                SignalAsk::PrintStats => print_stats(&dev.workers.iter().map(|w| w.report()).collect::<Vec<_>>()),
+                SignalAsk::Nothing => {}
+            }
+            continue;
         }
-        match handle_status_msg(&conn, &session) {
+        match handle_own_msg(&conn, &session) {
             Ok(true) => continue,
             Ok(false) => {}
             Err(e) => {
@@ -233,7 +273,12 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
     eprintln!("vhostd: listening on {}", args.socket_path.display());
     loop {
         if wait_readable(&[listener.as_raw_fd(), signals.0])? == 1 {
-            break;
+            match signals.take() {
+                SignalAsk::Stop => break,
+                SignalAsk::PrintStats => print_stats(&dev.workers.iter().map(|w| w.report()).collect::<Vec<_>>()),
+                SignalAsk::Nothing => {}
+            }
+            continue;
         }
         let (conn, _) = match listener.accept() {
             Ok(c) => c,

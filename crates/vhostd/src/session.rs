@@ -136,10 +136,6 @@ impl Session {
         }
     }
 
-    fn vring(&mut self, i: u32) -> VuResult<&mut Vring> {
-        self.vrings.get_mut(i as usize).ok_or_else(|| err("no such ring"))
-    }
-
     fn check_index(&self, i: u32) -> VuResult<()> {
         if (i as usize) < self.vrings.len() {
             Ok(())
@@ -291,23 +287,23 @@ impl Session {
         self.status = status;
     }
 
-    /// Whether the frontend negotiated REPLY_ACK.
+    /// Whether the frontend negotiated REPLY_ACK (we always offer
+    /// VHOST_USER_F_PROTOCOL_FEATURES, so SET_PROTOCOL_FEATURES decides).
     pub fn reply_ack(&self) -> bool {
         self.protocol & VhostUserProtocolFeatures::REPLY_ACK.bits() != 0
-            && self.features & PROTOCOL_FEATURES != 0
     }
 
-    /// Whether the frontend negotiated the STATUS protocol feature.
-    pub fn status_negotiated(&self) -> bool {
-        self.protocol & VhostUserProtocolFeatures::STATUS.bits() != 0
+    /// SET_VRING_ENABLE, answered here rather than by the `vhost` crate,
+    /// which refuses it before SET_FEATURES; QEMU sends it that early.
+    pub fn vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
+        self.set_vring_enable(index, enable)
     }
 }
 
 impl VhostUserBackendReqHandlerMut for Session {
     fn set_owner(&mut self) -> VuResult<()> {
-        if self.owner {
-            return Err(err("SET_OWNER twice"));
-        }
+        // QEMU sends SET_OWNER once per queue pair on the same connection;
+        // libvhost-user and DPDK accept that, so do we.
         self.owner = true;
         Ok(())
     }
