@@ -9,10 +9,27 @@ fn vhostd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_vhostd"))
 }
 
-fn tmp_sock(name: &str) -> PathBuf {
+/// A socket path in a fresh directory that is removed when dropped.
+struct TmpSock(PathBuf);
+
+impl TmpSock {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TmpSock {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn tmp_sock(name: &str) -> TmpSock {
     let dir = std::env::temp_dir().join(format!("vhostd-cli-{}-{name}", std::process::id()));
     let _ = std::fs::create_dir_all(&dir);
-    dir.join("s.sock")
+    TmpSock(dir.join("s.sock"))
 }
 
 fn run(args: &[&str]) -> Output {
@@ -29,7 +46,7 @@ fn assert_usage_error(args: &[&str], names: &str) {
 #[test]
 fn bad_arguments_exit_2_and_name_the_argument() {
     let s = tmp_sock("bad");
-    let sp = s.to_str().unwrap();
+    let sp = s.path().to_str().unwrap();
     assert_usage_error(&["net", "--backend", "sink"], "--socket-path");
     assert_usage_error(&["net", "--socket-path", sp, "--backend", "nope"], "--backend");
     assert_usage_error(&["net", "--socket-path", sp, "--backend", "sink", "--queue-size", "300"], "--queue-size");
@@ -39,7 +56,7 @@ fn bad_arguments_exit_2_and_name_the_argument() {
     assert_usage_error(&["net", "--socket-path", sp, "--backend", "sink", "--mac", "02:00:00"], "--mac");
     assert_usage_error(&["net", "--socket-path", sp, "--backend", "sink", "--mac", "03:00:00:00:00:01"], "--mac");
     assert_usage_error(&["net", "--socket-path", sp, "--backend", "source", "--pkt-size", "10"], "--pkt-size");
-    assert!(!s.exists(), "nothing half-configured left behind");
+    assert!(!s.path().exists(), "nothing half-configured left behind");
 }
 
 #[test]
@@ -84,11 +101,11 @@ fn terminate(child: Child) -> Output {
 #[test]
 fn sigterm_stops_cleanly_removes_socket_and_prints_counters() {
     let s = tmp_sock("term");
-    let child = start(&s, &[]);
-    assert!(s.exists());
+    let child = start(s.path(), &[]);
+    assert!(s.path().exists());
     let out = terminate(child);
     assert!(out.status.success(), "{out:?}");
-    assert!(!s.exists(), "socket removed on exit");
+    assert!(!s.path().exists(), "socket removed on exit");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("stats queue=0 dir=rx "), "{stdout}");
     assert!(stdout.contains("stats queue=1 dir=tx "), "{stdout}");
@@ -98,15 +115,15 @@ fn sigterm_stops_cleanly_removes_socket_and_prints_counters() {
 #[test]
 fn a_live_socket_is_not_stolen_but_a_stale_one_is_replaced() {
     let s = tmp_sock("live");
-    let first = start(&s, &[]);
-    let out = run(&["net", "--socket-path", s.to_str().unwrap(), "--backend", "sink"]);
+    let first = start(s.path(), &[]);
+    let out = run(&["net", "--socket-path", s.path().to_str().unwrap(), "--backend", "sink"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("another process is listening"));
     // SIGKILL leaves a stale socket file behind; the next start replaces it.
     let mut first = first;
     first.kill().unwrap();
     first.wait().unwrap();
-    assert!(s.exists());
-    let second = start(&s, &[]);
+    assert!(s.path().exists());
+    let second = start(s.path(), &[]);
     assert!(terminate(second).status.success());
 }
