@@ -1,1 +1,471 @@
-//! placeholder
+//! vhostd-user: the project's own vhost-user *frontend* ("virtio-user").
+//!
+//! It plays the part a VMM plays for a vhost-user backend, from a plain
+//! process: it connects to the backend's socket, negotiates features, shares
+//! its "guest memory" (a memfd, not hugepages) with SET_MEM_TABLE, lays out
+//! split rings in it and drives them with `virtq::driver`. Used by
+//! integration tests (including hostile-ring tests, through the raw ring
+//! accessors) and by the `vhostd-user` benchmark CLI.
+//!
+//! ```no_run
+//! use vhostd_user::{Options, VirtioUser};
+//! let mut dev = VirtioUser::connect(Options::new("/tmp/vhost.sock")).unwrap();
+//! let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
+//! tx.send_frame(&[0u8; 60]).unwrap();
+//! tx.flush().unwrap();
+//! rx.recv_burst(32, |frame| println!("got {} bytes", frame.len())).unwrap();
+//! ```
+//!
+//! Nothing the backend sends (socket replies, used rings) can make this
+//! library panic: it returns errors.
+
+#![deny(missing_docs)]
+
+pub mod memory;
+pub mod net;
+pub mod queue;
+
+pub use memory::FrontendMemory;
+pub use net::{build_udp_frame, NetStats, RxQueue, TxQueue};
+pub use queue::VirtQueue;
+pub use vhost::vhost_user::VhostUserProtocolFeatures;
+pub use virtq::driver::{Buf, Descriptor, DriverError, RingLayout, SplitDriver, Used};
+
+use std::path::PathBuf;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+
+/// Feature bits (virtio 1.2 section 5.1.3 and 6, vhost-user).
+pub mod features {
+    /// VIRTIO_NET_F_CSUM
+    pub const NET_CSUM: u64 = 1 << 0;
+    /// VIRTIO_NET_F_MAC
+    pub const NET_MAC: u64 = 1 << 5;
+    /// VIRTIO_NET_F_MRG_RXBUF
+    pub const NET_MRG_RXBUF: u64 = 1 << 15;
+    /// VIRTIO_NET_F_STATUS
+    pub const NET_STATUS: u64 = 1 << 16;
+    /// VIRTIO_NET_F_CTRL_VQ
+    pub const NET_CTRL_VQ: u64 = 1 << 17;
+    /// VIRTIO_NET_F_MQ
+    pub const NET_MQ: u64 = 1 << 22;
+    /// VIRTIO_RING_F_INDIRECT_DESC
+    pub const INDIRECT_DESC: u64 = 1 << 28;
+    /// VIRTIO_RING_F_EVENT_IDX
+    pub const EVENT_IDX: u64 = 1 << 29;
+    /// VHOST_USER_F_PROTOCOL_FEATURES
+    pub const PROTOCOL_FEATURES: u64 = 1 << 30;
+    /// VIRTIO_F_VERSION_1
+    pub const VERSION_1: u64 = 1 << 32;
+}
+
+/// Everything that can go wrong.
+#[derive(Debug)]
+pub enum Error {
+    /// A vhost-user request failed (socket, protocol or backend error).
+    Vhost(&'static str, vhost::Error),
+    /// A system call failed.
+    Io(std::io::Error),
+    /// The ring misbehaved or was misused.
+    Ring(DriverError),
+    /// The backend lacks something we need.
+    Unsupported(String),
+    /// Bad parameters.
+    Config(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Vhost(what, e) => write!(f, "{what}: {e}"),
+            Error::Io(e) => write!(f, "{e}"),
+            Error::Ring(e) => write!(f, "virtqueue: {e}"),
+            Error::Unsupported(s) => write!(f, "backend does not support {s}"),
+            Error::Config(s) => f.write_str(s),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<DriverError> for Error {
+    fn from(e: DriverError) -> Error {
+        Error::Ring(e)
+    }
+}
+
+fn vh(what: &'static str) -> impl FnOnce(vhost::Error) -> Error {
+    move |e| Error::Vhost(what, e)
+}
+
+/// How to connect and what to ask for.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The backend's Unix socket.
+    pub socket_path: PathBuf,
+    /// Guest memory size in bytes (a memfd, 4 KiB pages).
+    pub mem_size: u64,
+    /// Guest-physical address of the memory (0: gpa = offset in the memfd).
+    pub gpa_base: u64,
+    /// Virtio feature bits to request; each is acked only if offered.
+    /// VHOST_USER_F_PROTOCOL_FEATURES is added when offered.
+    pub features: u64,
+    /// Feature bits the backend must offer (else `connect` fails).
+    pub required: u64,
+    /// Protocol features to ack when offered.
+    pub protocol_features: VhostUserProtocolFeatures,
+    /// Use ADD_MEM_REG instead of SET_MEM_TABLE when CONFIGURE_MEM_SLOTS is acked.
+    pub add_mem_reg: bool,
+    /// RX/TX buffer size per descriptor, virtio-net header included.
+    pub buf_size: u32,
+}
+
+impl Options {
+    /// Defaults: 64 MiB, gpa = offset, VERSION_1 + EVENT_IDX + MRG_RXBUF +
+    /// MAC + STATUS + MQ requested, VERSION_1 required, protocol features MQ,
+    /// REPLY_ACK, CONFIG and CONFIGURE_MEM_SLOTS, 2 KiB buffers.
+    pub fn new(socket_path: impl Into<PathBuf>) -> Options {
+        use features::*;
+        Options {
+            socket_path: socket_path.into(),
+            mem_size: 64 << 20,
+            gpa_base: 0,
+            features: VERSION_1 | EVENT_IDX | NET_MRG_RXBUF | NET_MAC | NET_STATUS | NET_MQ,
+            required: VERSION_1,
+            protocol_features: VhostUserProtocolFeatures::MQ
+                | VhostUserProtocolFeatures::REPLY_ACK
+                | VhostUserProtocolFeatures::CONFIG
+                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+            add_mem_reg: false,
+            buf_size: 2048,
+        }
+    }
+}
+
+/// The start of virtio-net's config space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// MAC address.
+    pub mac: [u8; 6],
+    /// VIRTIO_NET_S_* bits (1 = link up).
+    pub status: u16,
+    /// Most queue pairs the device supports.
+    pub max_virtqueue_pairs: u16,
+}
+
+/// A connected, negotiated vhost-user session with its guest memory.
+pub struct VirtioUser {
+    fe: Frontend,
+    mem: FrontendMemory,
+    opts: Options,
+    offered: u64,
+    features: u64,
+    protocol: VhostUserProtocolFeatures,
+    max_queues: u64,
+    config: Option<NetConfig>,
+    config_error: Option<String>,
+    started: Vec<usize>,
+}
+
+/// Queue-count bound used before (or without) GET_QUEUE_NUM.
+const DEFAULT_MAX_QUEUES: u64 = 256;
+
+impl VirtioUser {
+    /// Connects, negotiates features and protocol features, reads the config
+    /// space when CONFIG was acked, and shares the guest memory.
+    pub fn connect(opts: Options) -> Result<VirtioUser, Error> {
+        let fe = Frontend::connect(&opts.socket_path, DEFAULT_MAX_QUEUES).map_err(vh("connect"))?;
+        Self::with_frontend(fe, opts)
+    }
+
+    /// Like `connect`, over an already connected stream (e.g. a socketpair).
+    pub fn from_stream(
+        sock: std::os::unix::net::UnixStream,
+        opts: Options,
+    ) -> Result<VirtioUser, Error> {
+        Self::with_frontend(Frontend::from_stream(sock, DEFAULT_MAX_QUEUES), opts)
+    }
+
+    fn with_frontend(mut fe: Frontend, opts: Options) -> Result<VirtioUser, Error> {
+        fe.set_owner().map_err(vh("SET_OWNER"))?;
+        let offered = fe.get_features().map_err(vh("GET_FEATURES"))?;
+        let missing = opts.required & !offered;
+        if missing != 0 {
+            return Err(Error::Unsupported(format!(
+                "required features {missing:#x} (offered {offered:#x})"
+            )));
+        }
+        let mut features = opts.features & offered & !features::PROTOCOL_FEATURES;
+        let mut protocol = VhostUserProtocolFeatures::empty();
+        // GET_QUEUE_NUM counts virtqueues (the vhost-user spec's reading,
+        // and the vhost crate's); without MQ a net device has one pair.
+        let mut max_queues = 2;
+        if offered & features::PROTOCOL_FEATURES != 0 {
+            features |= features::PROTOCOL_FEATURES;
+            let pf = fe
+                .get_protocol_features()
+                .map_err(vh("GET_PROTOCOL_FEATURES"))?;
+            protocol = pf & opts.protocol_features;
+            fe.set_protocol_features(protocol)
+                .map_err(vh("SET_PROTOCOL_FEATURES"))?;
+            if protocol.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+                // Every request without a reply of its own gets an ack, so a
+                // backend's refusal surfaces at the request that caused it.
+                fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            }
+            if protocol.contains(VhostUserProtocolFeatures::MQ) {
+                max_queues = fe.get_queue_num().map_err(vh("GET_QUEUE_NUM"))?;
+            }
+        }
+        fe.set_features(features).map_err(vh("SET_FEATURES"))?;
+
+        let mut dev = VirtioUser {
+            fe,
+            mem: FrontendMemory::new(opts.mem_size, opts.gpa_base)?,
+            opts,
+            offered,
+            features,
+            protocol,
+            max_queues,
+            config: None,
+            config_error: None,
+            started: Vec::new(),
+        };
+        if protocol.contains(VhostUserProtocolFeatures::CONFIG) {
+            match dev.read_net_config() {
+                Ok(c) => dev.config = Some(c),
+                Err(e) => dev.config_error = Some(e.to_string()),
+            }
+        }
+        dev.share_memory()?;
+        Ok(dev)
+    }
+
+    /// GET_CONFIG of the first 10 bytes of virtio-net config space.
+    pub fn read_net_config(&mut self) -> Result<NetConfig, Error> {
+        let buf = [0u8; 10];
+        let (_, data) = self
+            .fe
+            .get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf)
+            .map_err(vh("GET_CONFIG"))?;
+        if data.len() < 10 {
+            return Err(Error::Unsupported("a full virtio-net config".into()));
+        }
+        let mut mac = [0u8; 6];
+        mac.copy_from_slice(&data[0..6]);
+        Ok(NetConfig {
+            mac,
+            status: u16::from_le_bytes([data[6], data[7]]),
+            max_virtqueue_pairs: u16::from_le_bytes([data[8], data[9]]),
+        })
+    }
+
+    fn share_memory(&mut self) -> Result<(), Error> {
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: self.mem.gpa_base(),
+            memory_size: self.mem.size(),
+            userspace_addr: self.mem.uaddr_base(),
+            mmap_offset: 0,
+            mmap_handle: self.mem.fd(),
+        };
+        if self.opts.add_mem_reg
+            && self
+                .protocol
+                .contains(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+        {
+            self.fe.add_mem_region(&region).map_err(vh("ADD_MEM_REG"))?;
+        } else {
+            self.fe
+                .set_mem_table(&[region])
+                .map_err(vh("SET_MEM_TABLE"))?;
+        }
+        Ok(())
+    }
+
+    /// The negotiated virtio features.
+    pub fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// What the backend offered.
+    pub fn offered_features(&self) -> u64 {
+        self.offered
+    }
+
+    /// The acked protocol features.
+    pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        self.protocol
+    }
+
+    /// Queues the backend supports (GET_QUEUE_NUM, or 2 without MQ).
+    pub fn max_queues(&self) -> u64 {
+        self.max_queues
+    }
+
+    /// The config space read at connect time, if the backend gave one.
+    pub fn net_config(&self) -> Option<NetConfig> {
+        self.config
+    }
+
+    /// Why GET_CONFIG failed, if it was tried and failed.
+    pub fn net_config_error(&self) -> Option<&str> {
+        self.config_error.as_deref()
+    }
+
+    /// virtio_net_hdr length: 12 with VERSION_1 or MRG_RXBUF, else 10.
+    pub fn net_hdr_len(&self) -> usize {
+        if self.features & (features::VERSION_1 | features::NET_MRG_RXBUF) != 0 {
+            12
+        } else {
+            10
+        }
+    }
+
+    /// The guest memory (to allocate buffers or write hostile data).
+    pub fn memory(&mut self) -> &mut FrontendMemory {
+        &mut self.mem
+    }
+
+    /// The underlying `vhost` frontend, for requests this type does not wrap.
+    pub fn frontend(&mut self) -> &mut Frontend {
+        &mut self.fe
+    }
+
+    /// Allocates the rings of queue `index` (size a power of two) in guest
+    /// memory, with kick and call eventfds. Nothing is sent yet: fill it,
+    /// then `start_queue`. `indirect_max` adds an indirect-table pool.
+    pub fn create_queue(
+        &mut self,
+        index: usize,
+        size: u16,
+        indirect_max: Option<u16>,
+    ) -> Result<VirtQueue, Error> {
+        if size == 0 || !size.is_power_of_two() || size > virtq::ring::MAX_QUEUE_SIZE {
+            return Err(Error::Config(format!(
+                "queue size {size} is not a power of two in 1..=32768"
+            )));
+        }
+        let gpa = self.mem.alloc(RingLayout::footprint(size), 4096)?;
+        let layout = RingLayout::at(gpa, size);
+        let mut ring = SplitDriver::new(self.mem.driver_memory().clone(), layout, self.features)?;
+        if let Some(max) = indirect_max {
+            let pool = self.mem.alloc(size as u64 * max as u64 * 16, 64)?;
+            ring.set_indirect_pool(pool, max)?;
+        }
+        VirtQueue::new(index, ring)
+    }
+
+    /// SET_VRING_NUM/BASE/ADDR/KICK/CALL (and SET_VRING_ENABLE when protocol
+    /// features are on) for `q`, starting the backend at avail index `base`.
+    pub fn start_queue_at(&mut self, q: &VirtQueue, base: u16) -> Result<(), Error> {
+        let i = q.index();
+        let l = q.ring.layout();
+        self.fe
+            .set_vring_num(i, l.size)
+            .map_err(vh("SET_VRING_NUM"))?;
+        self.fe
+            .set_vring_base(i, base)
+            .map_err(vh("SET_VRING_BASE"))?;
+        let cfg = VringConfigData {
+            queue_max_size: l.size,
+            queue_size: l.size,
+            flags: 0,
+            desc_table_addr: self.mem.gpa_to_uaddr(l.desc),
+            used_ring_addr: self.mem.gpa_to_uaddr(l.used),
+            avail_ring_addr: self.mem.gpa_to_uaddr(l.avail),
+            log_addr: None,
+        };
+        self.fe
+            .set_vring_addr(i, &cfg)
+            .map_err(vh("SET_VRING_ADDR"))?;
+        self.fe
+            .set_vring_kick(i, q.kick_fd())
+            .map_err(vh("SET_VRING_KICK"))?;
+        self.fe
+            .set_vring_call(i, q.call_fd())
+            .map_err(vh("SET_VRING_CALL"))?;
+        if self.features & features::PROTOCOL_FEATURES != 0 {
+            self.fe
+                .set_vring_enable(i, true)
+                .map_err(vh("SET_VRING_ENABLE"))?;
+        }
+        if !self.started.contains(&i) {
+            self.started.push(i);
+        }
+        Ok(())
+    }
+
+    /// `start_queue_at` from index 0 (a fresh ring).
+    pub fn start_queue(&mut self, q: &VirtQueue) -> Result<(), Error> {
+        self.start_queue_at(q, 0)
+    }
+
+    /// SET_VRING_ENABLE (needs VHOST_USER_F_PROTOCOL_FEATURES).
+    pub fn set_vring_enable(&mut self, index: usize, enable: bool) -> Result<(), Error> {
+        self.fe
+            .set_vring_enable(index, enable)
+            .map_err(vh("SET_VRING_ENABLE"))
+    }
+
+    /// GET_VRING_BASE: stops the ring and returns the backend's next avail index.
+    pub fn get_vring_base(&mut self, index: usize) -> Result<u32, Error> {
+        let r = self.fe.get_vring_base(index).map_err(vh("GET_VRING_BASE"));
+        self.started.retain(|&s| s != index);
+        r
+    }
+
+    /// Sets up virtio-net queue pair `pair` (RX = 2*pair, TX = 2*pair+1) of
+    /// `size` entries: buffers allocated, RX buffers posted, both started.
+    pub fn net_queue_pair(&mut self, pair: u16, size: u16) -> Result<(RxQueue, TxQueue), Error> {
+        let rx_i = 2 * pair as usize;
+        if rx_i as u64 + 1 >= self.max_queues {
+            return Err(Error::Unsupported(format!(
+                "queue pair {pair} (backend has {} queues)",
+                self.max_queues
+            )));
+        }
+        let hdr = self.net_hdr_len();
+        let buf = self.opts.buf_size;
+        if (buf as usize) < hdr + 14 {
+            return Err(Error::Config(format!("buffer size {buf} is too small")));
+        }
+        let mrg = self.features & features::NET_MRG_RXBUF != 0;
+        let rxq = self.create_queue(rx_i, size, None)?;
+        let rx_bufs = self.mem.alloc(size as u64 * buf as u64, 64)?;
+        let txq = self.create_queue(rx_i + 1, size, None)?;
+        let tx_bufs = self.mem.alloc(size as u64 * buf as u64, 64)?;
+        let rx = RxQueue::new(rxq, rx_bufs, buf, hdr, mrg)?;
+        let tx = TxQueue::new(txq, tx_bufs, buf, hdr)?;
+        self.start_queue(&rx.queue)?;
+        self.start_queue(&tx.queue)?;
+        Ok((rx, tx))
+    }
+
+    /// Whether the backend closed the socket (a non-blocking check).
+    pub fn backend_gone(&self) -> bool {
+        use std::os::unix::io::AsRawFd;
+        let mut p = libc::pollfd {
+            fd: self.fe.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        // Nothing is ever sent unasked, so readability means EOF or an error.
+        r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+    }
+
+    /// GET_VRING_BASE on every started queue (in index order), then closes
+    /// the connection. Returns (queue, base) pairs; a failing request ends
+    /// the loop with the error.
+    pub fn disconnect(mut self) -> Result<Vec<(usize, u32)>, Error> {
+        let mut started = std::mem::take(&mut self.started);
+        started.sort_unstable();
+        let mut out = Vec::with_capacity(started.len());
+        for i in started {
+            out.push((i, self.get_vring_base(i)?));
+        }
+        Ok(out)
+    }
+}

@@ -443,7 +443,10 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_queue_num(&mut self) -> VuResult<u64> {
-        Ok(self.dev.pairs as u64)
+        // Virtqueues, as the spec and libvhost-user count them (QEMU reads
+        // it as an upper bound on queue pairs, which this also satisfies):
+        // the pairs plus the control queue.
+        Ok(2 * self.dev.pairs as u64 + 1)
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {

@@ -5,6 +5,7 @@
 //! `virtio-queue` (see `split.rs` for why). It knows nothing of vhost-user,
 //! devices or backends.
 
+pub mod driver;
 pub mod memory;
 pub mod ring;
 pub mod split;

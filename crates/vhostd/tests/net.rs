@@ -1,0 +1,447 @@
+//! vhostd's virtio-net device driven through the project's own vhost-user
+//! frontend (`vhostd-user`): traffic through each backend, both dataplane
+//! modes, mergeable and plain RX buffers, several queue pairs, the control
+//! queue, reconnects, ring state hand-back, and hostile rings.
+
+mod common;
+
+use common::*;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+use vhostd_user::features as f;
+use vhostd_user::{Buf, Descriptor, RxQueue, TxQueue, VhostUserProtocolFeatures, VirtioUser};
+
+const T: Duration = Duration::from_secs(20);
+
+/// Sends `total` distinct frames of varying sizes and checks that exactly
+/// those come back, in order, byte for byte.
+fn roundtrip(rx: &mut RxQueue, tx: &mut TxQueue, total: u32, first_seq: u32) {
+    let mut sent = Vec::new();
+    let mut got: Vec<Vec<u8>> = Vec::new();
+    let mut seq = 0u32;
+    let ok = wait_until(T, || {
+        tx.reclaim().unwrap();
+        // Keep fewer frames in flight than the RX ring holds, so the
+        // loopback never has to drop one for lack of a guest buffer.
+        let mut burst = 0;
+        while seq < total && burst < 32 && sent.len() - got.len() < 96 {
+            let len = 60 + ((first_seq + seq) as usize * 37) % (tx.max_frame().min(1514) - 59);
+            let fr = frame(first_seq + seq, len);
+            if !tx.send_frame(&fr).unwrap() {
+                break;
+            }
+            sent.push(fr);
+            seq += 1;
+            burst += 1;
+        }
+        if burst > 0 {
+            tx.flush().unwrap();
+        }
+        rx.recv_burst(64, |fr| got.push(fr.to_vec())).unwrap();
+        got.len() as u32 >= total
+    });
+    assert!(ok, "only {} of {total} frames came back", got.len());
+    assert_eq!(got.len(), sent.len());
+    for (i, (a, b)) in sent.iter().zip(&got).enumerate() {
+        assert_eq!(a, b, "frame {i} differs");
+    }
+    assert_eq!(rx.stats.bad, 0);
+}
+
+fn loopback_case(args: &[&str], mrg: bool) {
+    let mut all = vec!["--backend", "loopback"];
+    all.extend_from_slice(args);
+    let d = Daemon::start(&all);
+    let mut opts = d.options();
+    if !mrg {
+        opts.features &= !f::NET_MRG_RXBUF;
+    }
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    assert_eq!(dev.features() & f::NET_MRG_RXBUF != 0, mrg);
+    let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
+    roundtrip(&mut rx, &mut tx, 3000, 0);
+    drop((rx, tx));
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert_eq!(s.total("guest_tx_packets"), 3000);
+    assert_eq!(s.total("guest_rx_packets"), 3000);
+    assert_eq!(s.total("dropped"), 0);
+    assert_eq!(s.total("bad_chains"), 0);
+    assert_eq!(s.queue(1, "packets"), 3000);
+}
+
+#[test]
+fn loopback_interrupt_mode_mergeable() {
+    loopback_case(&[], true);
+}
+
+#[test]
+fn loopback_interrupt_mode_without_mergeable() {
+    loopback_case(&[], false);
+}
+
+#[test]
+fn loopback_poll_mode() {
+    loopback_case(&["--poll"], true);
+}
+
+#[test]
+fn sink_counts_every_frame_exactly() {
+    let d = Daemon::start(&["--backend", "sink"]);
+    let mut dev = d.connect();
+    let (_rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
+    let total = 10_000u32;
+    let mut seq = 0;
+    assert!(wait_until(T, || {
+        tx.reclaim().unwrap();
+        let mut n = 0;
+        while seq < total && tx.send_frame(&frame(seq, 64)).unwrap() {
+            seq += 1;
+            n += 1;
+        }
+        if n > 0 {
+            tx.flush().unwrap();
+        }
+        tx.stats.packets == total as u64
+    }));
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert_eq!(s.total("guest_tx_packets"), total as u64);
+    assert_eq!(s.total("guest_tx_bytes"), total as u64 * 64);
+    assert_eq!(s.total("guest_rx_packets"), 0);
+}
+
+#[test]
+fn source_fills_rx_with_frames_of_the_requested_size() {
+    let d = Daemon::start(&["--backend", "source", "--pkt-size", "200", "--mac", "02:aa:bb:cc:dd:ee"]);
+    let mut dev = d.connect();
+    let (mut rx, _tx) = dev.net_queue_pair(0, 256).unwrap();
+    let mut frames = 0u64;
+    assert!(wait_until(T, || {
+        rx.recv_burst(64, |fr| {
+            assert_eq!(fr.len(), 200);
+            assert_eq!(&fr[0..6], &[0xff; 6]);
+            assert_eq!(&fr[6..12], &[0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee]);
+            assert_eq!(&fr[12..14], &[0x88, 0xb5]);
+            frames += 1;
+        })
+        .unwrap();
+        frames >= 5000
+    }));
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert!(s.total("guest_rx_packets") >= frames);
+    assert_eq!(s.total("guest_tx_packets"), 0);
+}
+
+#[test]
+fn mergeable_rx_spreads_a_frame_over_several_buffers() {
+    // 1000-byte frames into 256-byte buffers: 5 buffers each, num_buffers set.
+    let d = Daemon::start(&["--backend", "source", "--pkt-size", "1000"]);
+    let mut opts = d.options();
+    opts.buf_size = 256;
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    let (mut rx, _tx) = dev.net_queue_pair(0, 256).unwrap();
+    let mut frames = 0;
+    assert!(wait_until(T, || {
+        rx.recv_burst(64, |fr| {
+            assert_eq!(fr.len(), 1000);
+            assert_eq!(&fr[12..14], &[0x88, 0xb5]);
+            // The source's payload is a counter pattern: check it survived
+            // being split across buffers.
+            for w in fr[14..].windows(2) {
+                assert_eq!(w[1], w[0].wrapping_add(1));
+            }
+            frames += 1;
+        })
+        .unwrap();
+        frames >= 500
+    }));
+    assert_eq!(rx.stats.bad, 0);
+}
+
+#[test]
+fn without_mergeable_a_frame_too_big_for_the_buffer_is_dropped_and_counted() {
+    let d = Daemon::start(&["--backend", "source", "--pkt-size", "1000"]);
+    let mut opts = d.options();
+    opts.buf_size = 256;
+    opts.features &= !f::NET_MRG_RXBUF;
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    let (mut rx, _tx) = dev.net_queue_pair(0, 64).unwrap();
+    let mut delivered = 0;
+    // Every buffer comes back empty (length 0): the frontend counts them bad.
+    assert!(wait_until(T, || {
+        rx.recv_burst(64, |_| delivered += 1).unwrap();
+        rx.stats.bad >= 100
+    }));
+    assert_eq!(delivered, 0);
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert_eq!(s.total("guest_rx_packets"), 0);
+    assert!(s.queue(0, "dropped") >= 100);
+}
+
+#[test]
+fn config_space_reports_mac_link_and_queue_pairs() {
+    let d = Daemon::start(&["--backend", "sink", "--queues", "3", "--mac", "02:11:22:33:44:55"]);
+    let dev = d.connect();
+    let cfg = dev.net_config().expect("config read through GET_CONFIG");
+    assert_eq!(cfg.mac, [0x02, 0x11, 0x22, 0x33, 0x44, 0x55]);
+    assert_eq!(cfg.status, 1, "link up");
+    assert_eq!(cfg.max_virtqueue_pairs, 3);
+    assert_eq!(dev.max_queues(), 7, "GET_QUEUE_NUM: 3 pairs and the control queue");
+}
+
+#[test]
+fn two_queue_pairs_each_carry_their_own_traffic() {
+    let d = Daemon::start(&["--backend", "loopback", "--queues", "2"]);
+    let mut dev = d.connect();
+    let (mut rx0, mut tx0) = dev.net_queue_pair(0, 256).unwrap();
+    let (mut rx1, mut tx1) = dev.net_queue_pair(1, 256).unwrap();
+    roundtrip(&mut rx0, &mut tx0, 500, 0);
+    roundtrip(&mut rx1, &mut tx1, 700, 100_000);
+    drop((rx0, tx0, rx1, tx1));
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert_eq!(s.queue(1, "packets"), 500);
+    assert_eq!(s.queue(0, "packets"), 500);
+    assert_eq!(s.queue(3, "packets"), 700);
+    assert_eq!(s.queue(2, "packets"), 700);
+}
+
+#[test]
+fn reconnect_serves_the_next_frontend() {
+    let d = Daemon::start(&["--backend", "loopback"]);
+    for round in 0..3u32 {
+        let mut dev = d.connect();
+        let (mut rx, mut tx) = dev.net_queue_pair(0, 128).unwrap();
+        roundtrip(&mut rx, &mut tx, 200, round * 1000);
+        drop((rx, tx));
+        if round == 1 {
+            // Vanish without GET_VRING_BASE, like a crashed VMM.
+            drop(dev);
+        } else {
+            dev.disconnect().unwrap();
+        }
+    }
+    let s = d.stop();
+    assert_eq!(s.total("guest_tx_packets"), 600);
+    assert_eq!(s.total("guest_rx_packets"), 600);
+}
+
+#[test]
+fn get_vring_base_stops_the_ring_and_returns_the_next_avail_index() {
+    let d = Daemon::start(&["--backend", "sink"]);
+    let mut dev = d.connect();
+    let (_rx, mut tx) = dev.net_queue_pair(0, 64).unwrap();
+    for i in 0..37 {
+        assert!(tx.send_frame(&frame(i, 64)).unwrap());
+    }
+    tx.flush().unwrap();
+    assert!(wait_until(T, || {
+        tx.reclaim().unwrap();
+        tx.stats.packets == 37
+    }));
+    assert_eq!(dev.get_vring_base(1).unwrap(), 37);
+    // The ring is stopped: frames made available now are not consumed,
+    // until the ring is started again from where it stopped.
+    for i in 0..5 {
+        assert!(tx.send_frame(&frame(100 + i, 64)).unwrap());
+    }
+    tx.flush().unwrap();
+    dev.start_queue_at(&tx.queue, 37).unwrap();
+    assert!(wait_until(T, || {
+        tx.reclaim().unwrap();
+        tx.stats.packets == 42
+    }));
+    dev.disconnect().unwrap();
+    assert_eq!(d.stop().total("guest_tx_packets"), 42);
+}
+
+/// A raw TX queue (index 1) next to a normal RX queue, for hostile chains.
+struct RawPair {
+    dev: VirtioUser,
+    raw: UnixStream,
+    rx: RxQueue,
+    txq: vhostd_user::VirtQueue,
+    buf: u64,
+}
+
+fn raw_pair(d: &Daemon, queues: u16) -> RawPair {
+    let sock = UnixStream::connect(&d.sock).unwrap();
+    let raw = sock.try_clone().unwrap();
+    let mut opts = d.options();
+    opts.protocol_features |= VhostUserProtocolFeatures::STATUS;
+    let _ = queues;
+    let mut dev = VirtioUser::from_stream(sock, opts).unwrap();
+    let hdr = dev.net_hdr_len();
+    let rxq = dev.create_queue(0, 64, None).unwrap();
+    let bufs = dev.memory().alloc(64 * 2048, 64).unwrap();
+    let rx = RxQueue::new(rxq, bufs, 2048, hdr, true).unwrap();
+    dev.start_queue(&rx.queue).unwrap();
+    let txq = dev.create_queue(1, 64, None).unwrap();
+    dev.start_queue(&txq).unwrap();
+    let buf = dev.memory().alloc(64 * 2048, 64).unwrap();
+    RawPair { dev, raw, rx, txq, buf }
+}
+
+impl RawPair {
+    /// Makes descriptor `i` available as a chain head and kicks.
+    fn post(&mut self, heads: &[u16]) {
+        let ring = &mut self.txq.ring;
+        let mut idx = ring.avail_idx();
+        for &h in heads {
+            ring.write_avail_ring(idx % ring.size(), h);
+            idx = idx.wrapping_add(1);
+        }
+        ring.set_avail_idx(idx);
+        self.txq.kick().unwrap();
+    }
+
+    /// Writes a good frame (with its header) into slot `slot` and describes it in descriptor `i`.
+    fn good_desc(&mut self, i: u16, seq: u32) -> Vec<u8> {
+        let fr = frame(seq, 100);
+        let gpa = self.buf + i as u64 * 2048;
+        let mut data = vec![0u8; 12];
+        data.extend_from_slice(&fr);
+        assert!(self.dev.memory().driver_memory().write(gpa, &data));
+        self.txq.ring.write_desc(i, Descriptor { addr: gpa, len: data.len() as u32, flags: 0, next: 0 });
+        fr
+    }
+
+    fn status(&mut self) -> u8 {
+        let r = raw_request(&mut self.raw, 40, 0, &[], true).unwrap();
+        r[0]
+    }
+}
+
+#[test]
+fn bad_chains_are_completed_empty_counted_and_the_queue_keeps_serving() {
+    let d = Daemon::start(&["--backend", "loopback"]);
+    let mut p = raw_pair(&d, 1);
+    let mem_end = p.dev.memory().size();
+    // 0: outside memory; 1: straddles the end; 2: device-writable on TX;
+    // 3 -> 4 -> 3: a loop; 5: next past the queue; then a good one.
+    p.txq.ring.write_desc(0, Descriptor { addr: 1 << 40, len: 100, flags: 0, next: 0 });
+    p.txq.ring.write_desc(1, Descriptor { addr: mem_end - 50, len: 100, flags: 0, next: 0 });
+    let g = p.buf;
+    p.txq.ring.write_desc(2, Descriptor { addr: g, len: 100, flags: 2, next: 0 });
+    p.txq.ring.write_desc(3, Descriptor { addr: g, len: 50, flags: 1, next: 4 });
+    p.txq.ring.write_desc(4, Descriptor { addr: g, len: 50, flags: 1, next: 3 });
+    p.txq.ring.write_desc(5, Descriptor { addr: g, len: 50, flags: 1, next: 64 });
+    let good = p.good_desc(6, 7);
+    p.post(&[0, 1, 2, 3, 5, 6]);
+    assert!(wait_until(T, || p.txq.ring.used_idx() == 6), "every chain completed");
+    for slot in 0..6 {
+        let (id, len) = p.txq.ring.read_used_ring(slot);
+        assert_eq!(len, 0, "TX used length is 0 (slot {slot}, head {id})");
+    }
+    let mut got = Vec::new();
+    assert!(wait_until(T, || {
+        p.rx.recv_burst(8, |fr| got.push(fr.to_vec())).unwrap();
+        !got.is_empty()
+    }));
+    assert_eq!(got, vec![good], "only the good frame came back");
+    // The device is not broken by bad chains.
+    assert_eq!(p.status() & 0x40, 0);
+    drop(p);
+    let s = d.stop();
+    assert_eq!(s.queue(1, "bad_chains"), 5);
+    assert_eq!(s.queue(1, "packets"), 1);
+}
+
+#[test]
+fn a_short_virtio_net_header_is_dropped_and_counted() {
+    let d = Daemon::start(&["--backend", "loopback"]);
+    let mut p = raw_pair(&d, 1);
+    let g = p.buf;
+    p.txq.ring.write_desc(0, Descriptor { addr: g, len: 8, flags: 0, next: 0 });
+    p.post(&[0]);
+    assert!(wait_until(T, || p.txq.ring.used_idx() == 1));
+    drop(p);
+    let s = d.stop();
+    assert_eq!(s.queue(1, "dropped"), 1);
+    assert_eq!(s.total("guest_rx_packets"), 0);
+}
+
+#[test]
+fn avail_index_running_ahead_marks_the_device_needs_reset_and_others_keep_working() {
+    let d = Daemon::start(&["--backend", "loopback"]);
+    let mut p = raw_pair(&d, 1);
+    assert_eq!(p.status() & 0x40, 0);
+    let idx = p.txq.ring.avail_idx();
+    p.txq.ring.set_avail_idx(idx.wrapping_add(65 + 64));
+    p.txq.kick().unwrap();
+    assert!(wait_until(T, || p.status() & 0x40 != 0), "GET_STATUS reports NEEDS_RESET");
+    drop(p);
+    // The next frontend gets a fresh device.
+    let mut dev = d.connect();
+    let (mut rx, mut tx) = dev.net_queue_pair(0, 128).unwrap();
+    roundtrip(&mut rx, &mut tx, 100, 0);
+}
+
+#[test]
+fn set_status_and_get_status() {
+    let d = Daemon::start(&["--backend", "sink"]);
+    let mut p = raw_pair(&d, 1);
+    raw_request(&mut p.raw, 39, 0, &0x0fu64.to_le_bytes(), false);
+    assert_eq!(p.status(), 0x0f);
+    // With REPLY_ACK negotiated, SET_STATUS with NEED_REPLY is acknowledged.
+    let ack = raw_request(&mut p.raw, 39, 0x8, &0x07u64.to_le_bytes(), true).unwrap();
+    assert_eq!(ack, 0u64.to_le_bytes());
+    assert_eq!(p.status(), 0x07);
+}
+
+#[test]
+fn control_queue_sets_queue_pairs_and_refuses_too_many() {
+    let d = Daemon::start(&["--backend", "loopback", "--queues", "2"]);
+    let mut opts = d.options();
+    opts.features |= f::NET_CTRL_VQ;
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    assert!(dev.features() & f::NET_CTRL_VQ != 0);
+    let (mut rx1, mut tx1) = dev.net_queue_pair(1, 64).unwrap();
+    let mut ctrl = dev.create_queue(4, 16, None).unwrap();
+    dev.start_queue(&ctrl).unwrap();
+    let req = dev.memory().alloc(64, 64).unwrap();
+    let ack = dev.memory().alloc(64, 64).unwrap();
+    let mut command = |dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs: u16| -> u8 {
+        let mut cmd = vec![4u8, 0];
+        cmd.extend_from_slice(&pairs.to_le_bytes());
+        assert!(dev.memory().driver_memory().write(req, &cmd));
+        assert!(dev.memory().driver_memory().write(ack, &[0xee]));
+        let before = ctrl.ring.used_idx();
+        ctrl.ring.add(&[Buf { addr: req, len: 4 }], &[Buf { addr: ack, len: 1 }], 0).unwrap();
+        ctrl.publish_and_kick().unwrap();
+        assert!(wait_until(T, || ctrl.ring.used_idx() != before));
+        while ctrl.ring.pop_used().unwrap().is_some() {}
+        let mut a = [0u8];
+        assert!(dev.memory().driver_memory().read(ack, &mut a));
+        a[0]
+    };
+    assert_eq!(command(&mut dev, &mut ctrl, 3), 1, "3 pairs > max 2: VIRTIO_NET_ERR");
+    assert_eq!(command(&mut dev, &mut ctrl, 2), 0, "VIRTIO_NET_OK");
+    roundtrip(&mut rx1, &mut tx1, 50, 0);
+    assert_eq!(command(&mut dev, &mut ctrl, 1), 0);
+    // Pair 1 is no longer in use: nothing is delivered to its RX queue.
+    for i in 0..10 {
+        assert!(tx1.send_frame(&frame(i, 64)).unwrap());
+        tx1.flush().unwrap();
+        assert!(wait_until(T, || {
+            tx1.reclaim().unwrap();
+            tx1.stats.packets == 51 + i as u64
+        }));
+    }
+    let mut got = 0;
+    rx1.recv_burst(64, |_| got += 1).unwrap();
+    assert_eq!(got, 0, "inactive pair received frames");
+}
+
+#[test]
+fn memory_added_with_add_mem_reg_works_like_set_mem_table() {
+    let d = Daemon::start(&["--backend", "loopback"]);
+    let mut opts = d.options();
+    opts.add_mem_reg = true;
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    let (mut rx, mut tx) = dev.net_queue_pair(0, 128).unwrap();
+    roundtrip(&mut rx, &mut tx, 300, 0);
+}
