@@ -297,7 +297,6 @@ fn rx_mergeable(
 mod ctrl {
     pub const CLASS_RX: u8 = 0;
     pub const CLASS_MAC: u8 = 1;
-    pub const CLASS_VLAN: u8 = 2;
     pub const CLASS_ANNOUNCE: u8 = 3;
     pub const CLASS_MQ: u8 = 4;
     pub const MQ_VQ_PAIRS_SET: u8 = 0;
@@ -345,7 +344,8 @@ pub fn process_ctrl(q: &mut SplitQueue, batch: &mut Batch, state: &mut CtrlState
                 }
                 // RX mode and MAC table: every frame goes to the guest anyway.
                 (ctrl::CLASS_RX, _) | (ctrl::CLASS_MAC, _) | (ctrl::CLASS_ANNOUNCE, _) => ctrl::OK,
-                (ctrl::CLASS_VLAN, _) | _ => ctrl::ERR,
+                // VLAN filtering was not offered; anything else is unknown.
+                _ => ctrl::ERR,
             }
         };
         if ack != ctrl::OK {

@@ -127,10 +127,10 @@ impl Session {
         }
         let pairs = if self.features & vhostd_net::features::MQ != 0 { self.dev.pairs as usize } else { 1 };
         if i < 2 * pairs {
-            Some((i / 2, if i % 2 == 0 { Slot::Rx } else { Slot::Tx }))
+            Some((i / 2, if i.is_multiple_of(2) { Slot::Rx } else { Slot::Tx }))
         } else if i < 2 * self.dev.pairs as usize && self.features == 0 {
             // Before SET_FEATURES the frontend may still set up every ring.
-            Some((i / 2, if i % 2 == 0 { Slot::Rx } else { Slot::Tx }))
+            Some((i / 2, if i.is_multiple_of(2) { Slot::Rx } else { Slot::Tx }))
         } else {
             None
         }
@@ -258,7 +258,7 @@ impl Session {
     fn map_region(gpa: u64, size: u64, uaddr: u64, offset: u64, file: &File) -> VuResult<Region> {
         // Map from the page holding the region start; offsets that are not
         // page aligned are mapped from the file start as libvhost-user does.
-        let (map_off, skip) = if offset % 4096 == 0 { (offset, 0) } else { (0, offset) };
+        let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
         let len = size.checked_add(skip).ok_or_else(|| err("region size overflows"))?;
         let mapping = Mapping::map(file, map_off, len).map_err(|e| {
             tracing::warn!("cannot map memory region: {e}");

@@ -35,6 +35,9 @@ impl Slot {
     }
 }
 
+/// A ring handed back by a worker: its state, kick and call eventfds.
+pub type Returned = (SplitQueue, Option<EventFd>, Option<EventFd>);
+
 /// What the control thread asks of a worker. Every command is answered on
 /// its reply channel, so the control thread knows the worker has acted.
 pub enum Cmd {
@@ -49,7 +52,7 @@ pub enum Cmd {
         reply: Sender<()>,
     },
     /// Stop processing a ring and give it back.
-    Detach { slot: Slot, reply: Sender<Option<(SplitQueue, Option<EventFd>, Option<EventFd>)>> },
+    Detach { slot: Slot, reply: Sender<Option<Returned>> },
     /// Report counters.
     Stats { reply: Sender<WorkerReport> },
 }
@@ -130,7 +133,7 @@ impl WorkerHandle {
     }
 
     /// Takes a ring back (with its kick and call eventfds).
-    pub fn detach(&self, slot: Slot) -> Option<(SplitQueue, Option<EventFd>, Option<EventFd>)> {
+    pub fn detach(&self, slot: Slot) -> Option<Returned> {
         let (reply, rx) = channel();
         self.send(Cmd::Detach { slot, reply });
         rx.recv().ok().flatten()

@@ -404,7 +404,7 @@ fn control_queue_sets_queue_pairs_and_refuses_too_many() {
     dev.start_queue(&ctrl).unwrap();
     let req = dev.memory().alloc(64, 64).unwrap();
     let ack = dev.memory().alloc(64, 64).unwrap();
-    let mut command = |dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs: u16| -> u8 {
+    let command = |dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs: u16| -> u8 {
         let mut cmd = vec![4u8, 0];
         cmd.extend_from_slice(&pairs.to_le_bytes());
         assert!(dev.memory().driver_memory().write(req, &cmd));

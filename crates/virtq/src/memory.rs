@@ -30,7 +30,7 @@ impl Mapping {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad mapping size"));
         }
         let page = page_size();
-        if offset % page != 0 {
+        if !offset.is_multiple_of(page) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "mapping offset not page aligned",

@@ -271,7 +271,7 @@ impl SplitQueue {
         if n == 0 || n > MAX_QUEUE_SIZE || !n.is_power_of_two() {
             return Err(SetupError::BadSize);
         }
-        if cfg.desc % 16 != 0 || cfg.avail % 2 != 0 || cfg.used % 4 != 0 {
+        if !cfg.desc.is_multiple_of(16) || !cfg.avail.is_multiple_of(2) || !cfg.used.is_multiple_of(4) {
             return Err(SetupError::Misaligned);
         }
         let (dlen, alen, ulen) = (desc_table_size(n), avail_ring_size(n), used_ring_size(n));
@@ -527,7 +527,7 @@ impl SplitQueue {
                 if !self.indirect || in_indirect || d.flags & VRING_DESC_F_NEXT != 0 {
                     return Err(ChainError::BadIndirect);
                 }
-                if d.len == 0 || d.len % 16 != 0 || d.len / 16 > MAX_QUEUE_SIZE as u32 {
+                if d.len == 0 || !d.len.is_multiple_of(16) || d.len / 16 > MAX_QUEUE_SIZE as u32 {
                     return Err(ChainError::BadIndirect);
                 }
                 // An indirect table must be contiguous in host memory.
@@ -535,7 +535,7 @@ impl SplitQueue {
                     .mem
                     .translate(d.addr, d.len as u64, &mut self.region_hint)
                     .ok_or(ChainError::BadAddress)?;
-                if d.addr % 16 != 0 {
+                if !d.addr.is_multiple_of(16) {
                     // read_desc reads [u8; 16], which has no alignment need,
                     // but the spec requires 16-byte alignment; refuse sloppiness.
                     return Err(ChainError::BadIndirect);
