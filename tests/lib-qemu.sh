@@ -1,0 +1,81 @@
+# Shared by the QEMU interop tests and scripts/demo (source it; not a test).
+# Starts vhostd and boots the test guest against it under QEMU TCG, with
+# bounded waits and cleanup of everything on exit.
+
+VHOSTD=${VHOSTD:-$PWD/target/release/vhostd}
+QEMU=${QEMU:-qemu-system-x86_64}
+GUEST_DIR=${GUEST_DIR:-$PWD/build/guest}
+
+WORK=$(mktemp -d /tmp/vhostd-qemu.XXXXXX)
+VHOSTD_PID=
+QEMU_PID=
+
+qemu_cleanup() {
+    [ -n "$QEMU_PID" ] && kill -9 "$QEMU_PID" 2>/dev/null
+    [ -n "$VHOSTD_PID" ] && kill -9 "$VHOSTD_PID" 2>/dev/null
+    wait 2>/dev/null
+    if [ -n "${KEEP_LOGS:-}" ]; then
+        echo "logs kept in $WORK"
+    else
+        rm -rf "$WORK"
+    fi
+}
+trap qemu_cleanup EXIT
+
+# wait_for SECONDS COMMAND...: polls a condition, bounded.
+wait_for() {
+    local deadline=$((SECONDS + $1)); shift
+    until "$@"; do
+        [ $SECONDS -ge $deadline ] && return 1
+        sleep 0.05
+    done
+}
+
+# start_vhostd ARGS...: vhostd net on $WORK/net.sock; output in $WORK/vhostd.{out,err}.
+start_vhostd() {
+    "$VHOSTD" net --socket-path "$WORK/net.sock" "$@" > "$WORK/vhostd.out" 2> "$WORK/vhostd.err" &
+    VHOSTD_PID=$!
+    wait_for 10 grep -qs "vhostd: listening" "$WORK/vhostd.err" || {
+        echo "vhostd did not start:"; cat "$WORK/vhostd.err"; return 1; }
+}
+
+# stop_vhostd: SIGTERM, bounded wait; its counters are then in $WORK/vhostd.out.
+stop_vhostd() {
+    kill -TERM "$VHOSTD_PID"
+    local i
+    for i in $(seq 100); do kill -0 "$VHOSTD_PID" 2>/dev/null || break; sleep 0.1; done
+    wait "$VHOSTD_PID"
+    local rc=$?
+    VHOSTD_PID=
+    return $rc
+}
+
+# vhostd_total KEY: a value from vhostd's final `stats total` line.
+vhostd_total() {
+    sed -n "s/^stats total .*\b$1=\([0-9.]*\).*/\1/p" "$WORK/vhostd.out"
+}
+
+# boot_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest,
+# console in $WORK/console.log; returns when it powers off (or times out).
+boot_guest() {
+    local scenario=$1 timeout=$2 netdev_extra=${3:-} device_extra=${4:-}
+    timeout "$timeout" "$QEMU" -accel tcg -m 256M -smp 1 \
+        -object memory-backend-memfd,id=mem0,size=256M,share=on -numa node,memdev=mem0 \
+        -chardev socket,id=c0,path="$WORK/net.sock" \
+        -netdev "vhost-user,id=n0,chardev=c0$netdev_extra" \
+        -device "virtio-net-pci,netdev=n0,romfile=,vectors=0$device_extra" \
+        -kernel "$GUEST_DIR/vmlinuz" -initrd "$GUEST_DIR/initramfs.cpio.gz" \
+        -append "console=ttyS0 panic=-1 quiet vhostd.test=$scenario" \
+        -display none -serial "file:$WORK/console.log" -no-reboot -monitor none \
+        2> "$WORK/qemu.err" &
+    QEMU_PID=$!
+    wait "$QEMU_PID"
+    local rc=$?
+    QEMU_PID=
+    return $rc
+}
+
+# guest_value KEY: a `VHOSTD-TEST: KEY=value` value from the console.
+guest_value() {
+    tr -d '\r' < "$WORK/console.log" | sed -n "s/.*VHOSTD-TEST: .*\b$1=\([^ ]*\).*/\1/p" | tail -1
+}
