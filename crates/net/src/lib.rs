@@ -35,8 +35,29 @@ pub const DEVICE_FEATURES: u64 = features::MAC
     | features::MQ
     | features::CTRL_MAC_ADDR;
 
-/// virtio_net_hdr_v1 length (VERSION_1 always uses the 12-byte header).
+/// virtio_net_hdr_v1 length (VERSION_1 or MRG_RXBUF).
 pub const HDR_LEN: usize = 12;
+/// The legacy header without num_buffers (neither VERSION_1 nor MRG_RXBUF).
+pub const LEGACY_HDR_LEN: usize = 10;
+
+/// What the negotiated features mean for the data path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Bytes of virtio_net_hdr before each frame.
+    pub hdr_len: usize,
+    /// VIRTIO_NET_F_MRG_RXBUF: a received frame may span several chains.
+    pub mergeable: bool,
+}
+
+impl Layout {
+    /// The layout for a negotiated feature set.
+    pub fn from_features(features: u64) -> Layout {
+        let mergeable = features & features::MRG_RXBUF != 0;
+        let version_1 = features & virtq::ring::features::VERSION_1 != 0;
+        let hdr_len = if mergeable || version_1 { HDR_LEN } else { LEGACY_HDR_LEN };
+        Layout { hdr_len, mergeable }
+    }
+}
 /// VIRTIO_NET_S_LINK_UP
 pub const STATUS_LINK_UP: u16 = 1;
 
@@ -91,8 +112,10 @@ pub fn process_tx(
     tx: &mut SplitQueue,
     batch: &mut Batch,
     backend: &mut dyn NetBackend,
+    layout: Layout,
     stats: &mut DirStats,
 ) -> usize {
+    let hdr_len = layout.hdr_len;
     let pending = tx.pending() as usize;
     if pending == 0 {
         return 0;
@@ -117,16 +140,16 @@ pub fn process_tx(
     let mut filled = 0;
     for chain in &batch.chains {
         let len = chain.read_len as usize;
-        if len < HDR_LEN {
+        if len < hdr_len {
             stats.short_header += 1;
             stats.dropped += 1;
-        } else if len - HDR_LEN > bufs[filled].data.len() {
+        } else if len - hdr_len > bufs[filled].data.len() {
             stats.too_big += 1;
             stats.dropped += 1;
         } else {
-            let frame = len - HDR_LEN;
+            let frame = len - hdr_len;
             let buf = &mut bufs[filled];
-            copy_from_segs(batch.readable(chain), HDR_LEN, &mut buf.data[..frame]);
+            copy_from_segs(batch.readable(chain), hdr_len, &mut buf.data[..frame]);
             buf.len = frame;
             stats.bytes += frame as u64;
             filled += 1;
@@ -140,14 +163,13 @@ pub fn process_tx(
     popped + rejected
 }
 
-/// Frames from the backend into the guest's RX queue. `mergeable` is
-/// VIRTIO_NET_F_MRG_RXBUF. Returns frames delivered or dropped; the caller
-/// signals the guest if `rx.needs_notify()`.
+/// Frames from the backend into the guest's RX queue. Returns frames
+/// delivered or dropped; the caller signals the guest if `rx.needs_notify()`.
 pub fn process_rx(
     rx: &mut SplitQueue,
     batch: &mut Batch,
     backend: &mut dyn NetBackend,
-    mergeable: bool,
+    layout: Layout,
     stats: &mut DirStats,
 ) -> usize {
     let frames = backend.rx_frames(BURST);
@@ -155,10 +177,10 @@ pub fn process_rx(
         return 0;
     }
     let bad_before = rx.stats.bad_chains;
-    let done = if mergeable {
+    let done = if layout.mergeable {
         rx_mergeable(rx, batch, frames, stats)
     } else {
-        rx_simple(rx, batch, frames, stats)
+        rx_simple(rx, batch, frames, layout.hdr_len, stats)
     };
     if done > 0 {
         backend.rx_consume(done);
@@ -180,6 +202,7 @@ fn rx_simple(
     rx: &mut SplitQueue,
     batch: &mut Batch,
     frames: &[vhostd_backends::FrameBuf],
+    hdr_len: usize,
     stats: &mut DirStats,
 ) -> usize {
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
@@ -190,8 +213,9 @@ fn rx_simple(
         }
     }
     let hdr = header(1);
+    let hdr = &hdr[..hdr_len];
     for (chain, f) in batch.chains.iter().zip(frames) {
-        let need = HDR_LEN + f.len;
+        let need = hdr_len + f.len;
         let segs = batch.writable(chain);
         if (chain.write_len as usize) < need {
             stats.too_big += 1;
@@ -199,8 +223,8 @@ fn rx_simple(
             rx.add_used(chain.head, 0);
             continue;
         }
-        copy_to_segs(segs, 0, &hdr);
-        copy_to_segs(segs, HDR_LEN, f.frame());
+        copy_to_segs(segs, 0, hdr);
+        copy_to_segs(segs, hdr_len, f.frame());
         rx.add_used(chain.head, need as u32);
         stats.packets += 1;
         stats.bytes += f.len as u64;
@@ -370,6 +394,14 @@ mod tests {
     fn config_layout() {
         let c = NetConfig { mac: [2, 0, 0, 0, 0, 1], status: 1, max_queue_pairs: 4, mtu: 1500 };
         assert_eq!(c.bytes(), [2, 0, 0, 0, 0, 1, 1, 0, 4, 0, 0xdc, 0x05]);
+    }
+
+    #[test]
+    fn layout_follows_features() {
+        let v1 = virtq::ring::features::VERSION_1;
+        assert_eq!(Layout::from_features(v1), Layout { hdr_len: 12, mergeable: false });
+        assert_eq!(Layout::from_features(features::MRG_RXBUF), Layout { hdr_len: 12, mergeable: true });
+        assert_eq!(Layout::from_features(0), Layout { hdr_len: 10, mergeable: false });
     }
 
     #[test]

@@ -193,13 +193,13 @@ impl Session {
                 })?
             }
         };
-        let mergeable = self.features & vhostd_net::features::MRG_RXBUF != 0;
+        let layout = vhostd_net::Layout::from_features(self.features);
         let v = &mut self.vrings[i];
         let kick = v.kick.take();
         // The worker gives kick and call back when the ring stops.
         let call = v.call.take();
         let errfd = v.err.as_ref().and_then(|c| c.try_clone().ok());
-        self.dev.workers[w].attach(slot, queue, kick, call, errfd, mergeable);
+        self.dev.workers[w].attach(slot, queue, kick, call, errfd, layout);
         self.vrings[i].running = true;
         Ok(())
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use vhostd_backends::NetBackend;
-use vhostd_net::{process_ctrl, process_rx, process_tx, CtrlState, DirStats};
+use vhostd_net::{process_ctrl, process_rx, process_tx, CtrlState, DirStats, Layout};
 use virtq::{Batch, QueueStats, SplitQueue};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -48,7 +48,7 @@ pub enum Cmd {
         kick: Option<EventFd>,
         call: Option<EventFd>,
         err: Option<EventFd>,
-        mergeable: bool,
+        layout: Layout,
         reply: Sender<()>,
     },
     /// Stop processing a ring and give it back.
@@ -125,10 +125,10 @@ impl WorkerHandle {
         kick: Option<EventFd>,
         call: Option<EventFd>,
         err: Option<EventFd>,
-        mergeable: bool,
+        layout: Layout,
     ) {
         let (reply, rx) = channel();
-        self.send(Cmd::Attach { slot, queue, kick, call, err, mergeable, reply });
+        self.send(Cmd::Attach { slot, queue, kick, call, err, layout, reply });
         let _ = rx.recv();
     }
 
@@ -203,7 +203,7 @@ pub enum Mode {
 struct Worker {
     pair: u16,
     rings: [Ring; 3],
-    mergeable: bool,
+    layout: Layout,
     backend: Box<dyn NetBackend>,
     mode: Mode,
     cmds: Receiver<Cmd>,
@@ -237,7 +237,7 @@ pub fn spawn(
     let worker = Worker {
         pair,
         rings: [Ring::new(), Ring::new(), Ring::new()],
-        mergeable: false,
+        layout: Layout::from_features(0),
         backend,
         mode,
         cmds,
@@ -335,7 +335,7 @@ impl Worker {
     fn handle_cmds(&mut self) {
         while let Ok(cmd) = self.cmds.try_recv() {
             match cmd {
-                Cmd::Attach { slot, mut queue, kick, call, err, mergeable, reply } => {
+                Cmd::Attach { slot, mut queue, kick, call, err, layout, reply } => {
                     let ring = &mut self.rings[slot.index()];
                     if let Some(k) = &kick {
                         let _ = self.epoll.ctl(
@@ -353,7 +353,7 @@ impl Worker {
                     ring.err = err;
                     ring.err_signalled = false;
                     if slot != Slot::Ctrl {
-                        self.mergeable = mergeable;
+                        self.layout = layout;
                     }
                     let _ = reply.send(());
                 }
@@ -388,7 +388,7 @@ impl Worker {
         let t0 = tsc();
         let [rx, tx, ctrl] = &mut self.rings;
         if let Some(q) = tx.queue.as_mut() {
-            let n = process_tx(q, &mut tx.batch, self.backend.as_mut(), &mut tx.report.dir);
+            let n = process_tx(q, &mut tx.batch, self.backend.as_mut(), self.layout, &mut tx.report.dir);
             if n > 0 {
                 tx.notify();
                 moved += n;
@@ -400,7 +400,7 @@ impl Worker {
         }
         let active = self.pair < self.shared.active_pairs.load(Ordering::Relaxed);
         if let (Some(q), true) = (rx.queue.as_mut(), active) {
-            let n = process_rx(q, &mut rx.batch, self.backend.as_mut(), self.mergeable, &mut rx.report.dir);
+            let n = process_rx(q, &mut rx.batch, self.backend.as_mut(), self.layout, &mut rx.report.dir);
             if n > 0 {
                 rx.notify();
                 rx.report.busy_cycles += tsc() - t1;

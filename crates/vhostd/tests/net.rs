@@ -49,15 +49,22 @@ fn roundtrip(rx: &mut RxQueue, tx: &mut TxQueue, total: u32, first_seq: u32) {
 }
 
 fn loopback_case(args: &[&str], mrg: bool) {
+    loopback_with(args, |o| {
+        if !mrg {
+            o.features &= !f::NET_MRG_RXBUF;
+        }
+    });
+}
+
+fn loopback_with(args: &[&str], edit: impl FnOnce(&mut vhostd_user::Options)) {
     let mut all = vec!["--backend", "loopback"];
     all.extend_from_slice(args);
     let d = Daemon::start(&all);
     let mut opts = d.options();
-    if !mrg {
-        opts.features &= !f::NET_MRG_RXBUF;
-    }
+    edit(&mut opts);
+    let wanted = opts.features;
     let mut dev = VirtioUser::connect(opts).unwrap();
-    assert_eq!(dev.features() & f::NET_MRG_RXBUF != 0, mrg);
+    assert_eq!(dev.features() & !f::PROTOCOL_FEATURES, wanted & !f::NET_CTRL_VQ & dev.offered_features());
     let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
     roundtrip(&mut rx, &mut tx, 3000, 0);
     drop((rx, tx));
@@ -78,6 +85,15 @@ fn loopback_interrupt_mode_mergeable() {
 #[test]
 fn loopback_interrupt_mode_without_mergeable() {
     loopback_case(&[], false);
+}
+
+#[test]
+fn loopback_legacy_header_without_version_1() {
+    // Neither VERSION_1 nor MRG_RXBUF: the 10-byte header without num_buffers.
+    loopback_with(&[], |o| {
+        o.required = 0;
+        o.features &= !(f::VERSION_1 | f::NET_MRG_RXBUF);
+    });
 }
 
 #[test]
