@@ -149,7 +149,22 @@ pub fn process_tx(
         } else {
             let frame = len - hdr_len;
             let buf = &mut bufs[filled];
-            copy_from_segs(batch.readable(chain), hdr_len, &mut buf.data[..frame]);
+            let segs = batch.readable(chain);
+            match segs {
+                // One buffer holding header and frame: what drivers post.
+                [seg] => {
+                    // SAFETY: seg.len == len >= hdr_len + frame (a single
+                    // segment carries the whole chain), so the source range
+                    // is inside the translated buffer; buf.data has room for
+                    // `frame` bytes (checked above).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(seg.addr.add(hdr_len), buf.data.as_mut_ptr(), frame)
+                    }
+                }
+                _ => {
+                    copy_from_segs(segs, hdr_len, &mut buf.data[..frame]);
+                }
+            }
             buf.len = frame;
             stats.bytes += frame as u64;
             filled += 1;
@@ -190,6 +205,25 @@ pub fn process_rx(
     done + (rx.stats.bad_chains - bad_before) as usize
 }
 
+/// Writes header then frame into a chain's buffers (which have room for both).
+#[inline]
+fn write_frame(segs: &[virtq::Seg], hdr: &[u8], frame: &[u8]) {
+    match segs {
+        [seg] if seg.len as usize >= hdr.len() + frame.len() => {
+            // SAFETY: the one buffer has room for header and frame (checked
+            // in the pattern guard); sources are host memory, not overlapping.
+            unsafe {
+                std::ptr::copy_nonoverlapping(hdr.as_ptr(), seg.addr, hdr.len());
+                std::ptr::copy_nonoverlapping(frame.as_ptr(), seg.addr.add(hdr.len()), frame.len());
+            }
+        }
+        _ => {
+            copy_to_segs(segs, 0, hdr);
+            copy_to_segs(segs, hdr.len(), frame);
+        }
+    }
+}
+
 fn header(num_buffers: u16) -> [u8; HDR_LEN] {
     let mut h = [0u8; HDR_LEN];
     h[10..12].copy_from_slice(&num_buffers.to_le_bytes());
@@ -223,8 +257,7 @@ fn rx_simple(
             rx.add_used(chain.head, 0);
             continue;
         }
-        copy_to_segs(segs, 0, hdr);
-        copy_to_segs(segs, hdr_len, f.frame());
+        write_frame(segs, hdr, f.frame());
         rx.add_used(chain.head, need as u32);
         stats.packets += 1;
         stats.bytes += f.len as u64;
@@ -291,6 +324,17 @@ fn rx_mergeable(
                 continue 'refill;
             }
             let nbufs = (k - c) as u16;
+            if nbufs == 1 {
+                // The common case: the frame fits the next chain.
+                let chain = &batch.chains[c];
+                write_frame(batch.writable(chain), &header(1), f.frame());
+                rx.add_used(chain.head, need as u32);
+                stats.packets += 1;
+                stats.bytes += f.len as u64;
+                done += 1;
+                c = k;
+                continue;
+            }
             let mut off = 0usize;
             let mut first = true;
             for chain in &batch.chains[c..k] {

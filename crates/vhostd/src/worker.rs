@@ -216,6 +216,8 @@ struct Worker {
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
+/// Most `pause` instructions between two polls of idle rings (about a microsecond).
+const MAX_BACKOFF: u32 = 32;
 
 /// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
 pub fn spawn(
@@ -286,6 +288,7 @@ fn tsc() -> u64 {
 
 impl Worker {
     fn run(mut self) -> WorkerReport {
+        let mut backoff = 1u32;
         loop {
             if self.pending.load(Ordering::Acquire) {
                 self.pending.store(false, Ordering::Relaxed);
@@ -297,6 +300,7 @@ impl Worker {
             let moved = self.poll_once();
             if moved > 0 {
                 self.busy_iters += 1;
+                backoff = 1;
                 continue;
             }
             self.idle_iters += 1;
@@ -304,7 +308,12 @@ impl Worker {
             // A ring started without a kick fd must be polled.
             let must_poll = self.rings.iter().any(|r| r.queue.is_some() && r.kick.is_none());
             if attached && (self.mode == Mode::Poll || must_poll) {
-                std::hint::spin_loop();
+                // Re-reading avail.idx in a tight loop steals its cache line
+                // from the driver on every store; back off a little while idle.
+                for _ in 0..backoff {
+                    std::hint::spin_loop();
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
                 continue;
             }
             // Idle: ask for kicks, re-check, then sleep.
