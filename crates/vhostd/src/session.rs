@@ -80,6 +80,9 @@ pub struct Session {
     features: u64,
     protocol: u64,
     mem: Arc<GuestMemory>,
+    /// How many times each region (gpa, size, uaddr) was added: QEMU sends
+    /// ADD_MEM_REG / REM_MEM_REG once per queue pair for the same region.
+    region_refs: std::collections::HashMap<(u64, u64, u64), u32>,
     vrings: Vec<Vring>,
     status: u8,
 }
@@ -106,6 +109,7 @@ impl Session {
             features: 0,
             protocol: 0,
             mem: Arc::new(GuestMemory::new()),
+            region_refs: std::collections::HashMap::new(),
             vrings: (0..nrings).map(|_| Vring::default()).collect(),
             status: 0,
         }
@@ -220,6 +224,7 @@ impl Session {
             *v = Vring::default();
         }
         self.mem = Arc::new(GuestMemory::new());
+        self.region_refs.clear();
         self.features = 0;
         self.status = 0;
         self.dev.shared.needs_reset.store(false, Ordering::Release);
@@ -346,6 +351,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             regions.push(Self::map_region(r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset, f)?);
         }
         let mem = GuestMemory::from_regions(regions).map_err(|_| err("memory regions overlap"))?;
+        self.region_refs = mem.regions().iter().map(|r| ((r.gpa, r.size, r.uaddr), 1)).collect();
         self.replace_memory(mem)?;
         Ok(None)
     }
@@ -498,20 +504,37 @@ impl VhostUserBackendReqHandlerMut for Session {
         fd: File,
         _postcopy_listening: Option<bool>,
     ) -> VuResult<Option<VhostUserMemoryRegionBase>> {
+        let key = (region.guest_phys_addr, region.memory_size, region.user_addr);
+        if let Some(n) = self.region_refs.get_mut(&key) {
+            // The same region again (QEMU: once per queue pair).
+            *n += 1;
+            return Ok(None);
+        }
         let r = Self::map_region(region.guest_phys_addr, region.memory_size, region.user_addr, region.mmap_offset, &fd)?;
         let mem = self.mem.with_region(r).map_err(|e| {
             tracing::warn!("ADD_MEM_REG refused: {e}");
             VuError::InvalidParam
         })?;
+        self.region_refs.insert(key, 1);
         self.replace_memory(mem)?;
         Ok(None)
     }
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
+        let key = (region.guest_phys_addr, region.memory_size, region.user_addr);
+        match self.region_refs.get_mut(&key) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                return Ok(());
+            }
+            Some(_) => {}
+            None => return Err(err("REM_MEM_REG of a region not in the table")),
+        }
         let mem = self
             .mem
             .without_region(region.guest_phys_addr, region.memory_size)
             .map_err(|_| err("REM_MEM_REG of a region not in the table"))?;
+        self.region_refs.remove(&key);
         self.replace_memory(mem)
     }
 
