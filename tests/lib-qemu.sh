@@ -44,6 +44,13 @@ stop_vhostd() {
     kill -TERM "$VHOSTD_PID"
     local i
     for i in $(seq 100); do kill -0 "$VHOSTD_PID" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$VHOSTD_PID" 2>/dev/null; then
+        echo "vhostd still running 10 s after SIGTERM" >&2
+        kill -9 "$VHOSTD_PID"
+        wait "$VHOSTD_PID" 2>/dev/null
+        VHOSTD_PID=
+        return 1
+    fi
     wait "$VHOSTD_PID"
     local rc=$?
     VHOSTD_PID=
