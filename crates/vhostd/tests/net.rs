@@ -461,3 +461,32 @@ fn memory_added_with_add_mem_reg_works_like_set_mem_table() {
     let (mut rx, mut tx) = dev.net_queue_pair(0, 128).unwrap();
     roundtrip(&mut rx, &mut tx, 300, 0);
 }
+
+#[test]
+fn a_region_added_once_per_queue_pair_is_counted_not_refused() {
+    // QEMU with queues=N sends ADD_MEM_REG (and later REM_MEM_REG) for the
+    // same region once per queue pair; an overlapping different region is
+    // still refused.
+    use vhost::vhost_user::VhostUserFrontend;
+    use vhost::VhostUserMemoryRegionInfo;
+    let d = Daemon::start(&["--backend", "loopback"]);
+    let mut opts = d.options();
+    opts.add_mem_reg = true;
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    let region = VhostUserMemoryRegionInfo {
+        guest_phys_addr: dev.memory().gpa_base(),
+        memory_size: dev.memory().size(),
+        userspace_addr: dev.memory().uaddr_base(),
+        mmap_offset: 0,
+        mmap_handle: dev.memory().fd(),
+    };
+    dev.frontend().add_mem_region(&region).expect("the same region again");
+    let mut overlapping = region;
+    overlapping.guest_phys_addr += 4096;
+    overlapping.userspace_addr += 1 << 40;
+    assert!(dev.frontend().add_mem_region(&overlapping).is_err(), "overlap refused");
+    dev.frontend().remove_mem_region(&region).expect("first removal");
+    // One reference is left: traffic still flows.
+    let (mut rx, mut tx) = dev.net_queue_pair(0, 128).unwrap();
+    roundtrip(&mut rx, &mut tx, 100, 0);
+}
