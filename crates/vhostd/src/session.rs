@@ -35,9 +35,12 @@ pub struct Device {
 }
 
 impl Device {
-    /// Features offered to the frontend.
+    /// Features offered to the frontend. IN_ORDER costs nothing: every
+    /// path completes chains in the order it popped them, one used element
+    /// each (the spec's per-batch single element is an optional shortcut).
     pub fn features(&self) -> u64 {
         ring_features::VERSION_1
+            | ring_features::IN_ORDER
             | ring_features::EVENT_IDX
             | ring_features::INDIRECT_DESC
             | vhostd_net::DEVICE_FEATURES

@@ -9,6 +9,8 @@ pub mod features {
     pub const EVENT_IDX: u64 = 1 << 29;
     /// VIRTIO_F_VERSION_1
     pub const VERSION_1: u64 = 1 << 32;
+    /// VIRTIO_F_IN_ORDER: buffers are used in the order they were made available.
+    pub const IN_ORDER: u64 = 1 << 35;
 }
 
 /// Descriptor flag: the chain continues in `next`.
