@@ -446,10 +446,19 @@ impl Worker {
         moved
     }
 
+    /// Before sleeping: asks for kicks where a kick would mean work, and
+    /// reports whether work arrived meanwhile. Posted RX buffers are work
+    /// only when the backend has frames for them; otherwise the RX ring stays
+    /// quiet (no kicks, not counted) and the worker sleeps until a TX kick
+    /// or the backend has something.
     fn enable_notifications(&mut self) -> bool {
+        let rx_has_frames = !self.backend.rx_frames(1).is_empty();
         let mut more = false;
-        for ring in self.rings.iter_mut() {
+        for (i, ring) in self.rings.iter_mut().enumerate() {
             if let Some(q) = ring.queue.as_mut() {
+                if i == Slot::Rx.index() && !rx_has_frames {
+                    continue;
+                }
                 more |= q.enable_notifications();
             }
         }
