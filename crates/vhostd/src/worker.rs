@@ -44,7 +44,7 @@ pub enum Cmd {
     /// Start processing a ring.
     Attach {
         slot: Slot,
-        queue: SplitQueue,
+        queue: Box<SplitQueue>,
         kick: Option<EventFd>,
         call: Option<EventFd>,
         err: Option<EventFd>,
@@ -128,7 +128,7 @@ impl WorkerHandle {
         layout: Layout,
     ) {
         let (reply, rx) = channel();
-        self.send(Cmd::Attach { slot, queue, kick, call, err, layout, reply });
+        self.send(Cmd::Attach { slot, queue: Box::new(queue), kick, call, err, layout, reply });
         let _ = rx.recv();
     }
 
@@ -356,7 +356,7 @@ impl Worker {
                     if self.mode == Mode::Poll {
                         queue.disable_notifications();
                     }
-                    ring.queue = Some(queue);
+                    ring.queue = Some(*queue);
                     ring.kick = kick;
                     ring.call = call;
                     ring.err = err;
