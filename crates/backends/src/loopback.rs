@@ -27,7 +27,7 @@ impl NetBackend for Loopback {
     fn tx_buffers(&mut self, want: usize) -> &mut [FrameBuf] {
         if self.head < self.tail {
             // The guest had no room for these since the last TX batch.
-            self.stats.dropped += (self.tail - self.head) as u64;
+            self.stats.rx_dropped += (self.tail - self.head) as u64;
         }
         self.head = 0;
         self.tail = 0;
@@ -71,6 +71,6 @@ mod tests {
         l.tx_buffers(1);
         l.tx_commit(0);
         assert!(l.rx_frames(8).is_empty());
-        assert_eq!(l.stats(), BackendStats { tx_frames: 3, rx_frames: 2, dropped: 1 });
+        assert_eq!(l.stats(), BackendStats { tx_frames: 3, rx_frames: 2, rx_dropped: 1, tx_dropped: 0 });
     }
 }

@@ -37,7 +37,7 @@ impl NetBackend for Source {
         &mut self.sink[..n]
     }
     fn tx_commit(&mut self, n: usize) {
-        self.stats.dropped += n as u64;
+        self.stats.tx_frames += n as u64;
     }
     fn rx_frames(&mut self, max: usize) -> &[FrameBuf] {
         let n = max.min(self.frames.len());

@@ -3,11 +3,33 @@
 //! frames between a queue pair's rings and a backend; it knows nothing of
 //! vhost-user or sockets.
 
-use vhostd_backends::NetBackend;
+use vhostd_backends::{NetBackend, Offloads, VNET_HDR_LEN};
 use virtq::{copy_from_segs, copy_to_segs, Access, Batch, SplitQueue};
 
 /// virtio-net feature bits.
 pub mod features {
+    /// VIRTIO_NET_F_CSUM: the driver may send partially checksummed frames.
+    pub const CSUM: u64 = 1 << 0;
+    /// VIRTIO_NET_F_GUEST_CSUM: the driver accepts partially checksummed frames.
+    pub const GUEST_CSUM: u64 = 1 << 1;
+    /// VIRTIO_NET_F_CTRL_GUEST_OFFLOADS
+    pub const CTRL_GUEST_OFFLOADS: u64 = 1 << 2;
+    /// VIRTIO_NET_F_GUEST_TSO4
+    pub const GUEST_TSO4: u64 = 1 << 7;
+    /// VIRTIO_NET_F_GUEST_TSO6
+    pub const GUEST_TSO6: u64 = 1 << 8;
+    /// VIRTIO_NET_F_GUEST_ECN
+    pub const GUEST_ECN: u64 = 1 << 9;
+    /// VIRTIO_NET_F_GUEST_UFO
+    pub const GUEST_UFO: u64 = 1 << 10;
+    /// VIRTIO_NET_F_HOST_TSO4
+    pub const HOST_TSO4: u64 = 1 << 11;
+    /// VIRTIO_NET_F_HOST_TSO6
+    pub const HOST_TSO6: u64 = 1 << 12;
+    /// VIRTIO_NET_F_HOST_ECN
+    pub const HOST_ECN: u64 = 1 << 13;
+    /// VIRTIO_NET_F_HOST_UFO
+    pub const HOST_UFO: u64 = 1 << 14;
     /// VIRTIO_NET_F_MTU
     pub const MTU: u64 = 1 << 3;
     /// VIRTIO_NET_F_MAC
@@ -24,6 +46,51 @@ pub mod features {
     pub const MQ: u64 = 1 << 22;
     /// VIRTIO_NET_F_CTRL_MAC_ADDR
     pub const CTRL_MAC_ADDR: u64 = 1 << 23;
+    /// VIRTIO_NET_F_GUEST_USO4
+    pub const GUEST_USO4: u64 = 1 << 54;
+    /// VIRTIO_NET_F_GUEST_USO6
+    pub const GUEST_USO6: u64 = 1 << 55;
+    /// VIRTIO_NET_F_HOST_USO
+    pub const HOST_USO: u64 = 1 << 56;
+    /// The receive offloads VIRTIO_NET_CTRL_GUEST_OFFLOADS_SET may switch.
+    pub const GUEST_OFFLOADS: u64 =
+        GUEST_CSUM | GUEST_TSO4 | GUEST_TSO6 | GUEST_ECN | GUEST_UFO | GUEST_USO4 | GUEST_USO6;
+}
+
+/// The offload features to offer for a backend that can do `caps` (both
+/// directions: the guest may send and receive such frames).
+pub fn offload_features(caps: Offloads) -> u64 {
+    use features::*;
+    if !caps.csum {
+        return 0;
+    }
+    let mut f = CSUM | GUEST_CSUM | CTRL_GUEST_OFFLOADS;
+    for (on, bits) in [
+        (caps.tso4, HOST_TSO4 | GUEST_TSO4),
+        (caps.tso6, HOST_TSO6 | GUEST_TSO6),
+        (caps.ecn, HOST_ECN | GUEST_ECN),
+        (caps.ufo, HOST_UFO | GUEST_UFO),
+        (caps.uso4 && caps.uso6, HOST_USO | GUEST_USO4 | GUEST_USO6),
+    ] {
+        if on {
+            f |= bits;
+        }
+    }
+    f
+}
+
+/// The receive offloads a driver accepts, from its GUEST_* feature bits.
+pub fn guest_offloads(bits: u64) -> Offloads {
+    use features::*;
+    Offloads {
+        csum: bits & GUEST_CSUM != 0,
+        tso4: bits & GUEST_TSO4 != 0,
+        tso6: bits & GUEST_TSO6 != 0,
+        ecn: bits & GUEST_ECN != 0,
+        ufo: bits & GUEST_UFO != 0,
+        uso4: bits & GUEST_USO4 != 0,
+        uso6: bits & GUEST_USO6 != 0,
+    }
 }
 
 /// Features the device offers (the transport adds ring features).
@@ -47,6 +114,12 @@ pub struct Layout {
     pub hdr_len: usize,
     /// VIRTIO_NET_F_MRG_RXBUF: a received frame may span several chains.
     pub mergeable: bool,
+    /// VIRTIO_NET_F_CSUM: the guest's TX headers may ask for offloads, so
+    /// they go to the backend; otherwise the backend sees a zero header.
+    pub tx_offloads: bool,
+    /// VIRTIO_NET_F_GUEST_CSUM: the backend's headers go to the guest;
+    /// otherwise the guest sees a zero header.
+    pub rx_offloads: bool,
 }
 
 impl Layout {
@@ -55,7 +128,12 @@ impl Layout {
         let mergeable = features & features::MRG_RXBUF != 0;
         let version_1 = features & virtq::ring::features::VERSION_1 != 0;
         let hdr_len = if mergeable || version_1 { HDR_LEN } else { LEGACY_HDR_LEN };
-        Layout { hdr_len, mergeable }
+        Layout {
+            hdr_len,
+            mergeable,
+            tx_offloads: features & features::CSUM != 0,
+            rx_offloads: features & features::GUEST_CSUM != 0,
+        }
     }
 }
 /// VIRTIO_NET_S_LINK_UP
@@ -154,16 +232,26 @@ pub fn process_tx(
                 // One buffer holding header and frame: what drivers post.
                 [seg] => {
                     // SAFETY: seg.len == len >= hdr_len + frame (a single
-                    // segment carries the whole chain), so the source range
-                    // is inside the translated buffer; buf.data has room for
-                    // `frame` bytes (checked above).
+                    // segment carries the whole chain), so the source ranges
+                    // (header, frame) are inside the translated buffer;
+                    // buf.data has room for `frame` bytes (checked above),
+                    // vnet_hdr for VNET_HDR_LEN <= hdr_len.
                     unsafe {
+                        if layout.tx_offloads {
+                            std::ptr::copy_nonoverlapping(seg.addr, buf.vnet_hdr.as_mut_ptr(), VNET_HDR_LEN);
+                        }
                         std::ptr::copy_nonoverlapping(seg.addr.add(hdr_len), buf.data.as_mut_ptr(), frame)
                     }
                 }
                 _ => {
+                    if layout.tx_offloads {
+                        copy_from_segs(segs, 0, &mut buf.vnet_hdr);
+                    }
                     copy_from_segs(segs, hdr_len, &mut buf.data[..frame]);
                 }
+            }
+            if !layout.tx_offloads {
+                buf.vnet_hdr = [0; VNET_HDR_LEN];
             }
             buf.len = frame;
             stats.bytes += frame as u64;
@@ -187,15 +275,21 @@ pub fn process_rx(
     layout: Layout,
     stats: &mut DirStats,
 ) -> usize {
-    let frames = backend.rx_frames(BURST);
+    // Each frame needs at least one chain: take no more frames from the
+    // backend than the guest has chains for.
+    let room = rx.available(BURST as u16) as usize;
+    if room == 0 {
+        return 0;
+    }
+    let frames = backend.rx_frames(room.min(BURST));
     if frames.is_empty() {
         return 0;
     }
     let bad_before = rx.stats.bad_chains;
     let done = if layout.mergeable {
-        rx_mergeable(rx, batch, frames, stats)
+        rx_mergeable(rx, batch, frames, layout.rx_offloads, stats)
     } else {
-        rx_simple(rx, batch, frames, layout.hdr_len, stats)
+        rx_simple(rx, batch, frames, layout, stats)
     };
     if done > 0 {
         backend.rx_consume(done);
@@ -224,8 +318,14 @@ fn write_frame(segs: &[virtq::Seg], hdr: &[u8], frame: &[u8]) {
     }
 }
 
-fn header(num_buffers: u16) -> [u8; HDR_LEN] {
+/// The header the guest receives: the backend's offload header if the guest
+/// accepts offloads (else zero), then num_buffers.
+#[inline]
+fn header(f: &vhostd_backends::FrameBuf, offloads: bool, num_buffers: u16) -> [u8; HDR_LEN] {
     let mut h = [0u8; HDR_LEN];
+    if offloads {
+        h[..VNET_HDR_LEN].copy_from_slice(&f.vnet_hdr);
+    }
     h[10..12].copy_from_slice(&num_buffers.to_le_bytes());
     h
 }
@@ -236,9 +336,10 @@ fn rx_simple(
     rx: &mut SplitQueue,
     batch: &mut Batch,
     frames: &[vhostd_backends::FrameBuf],
-    hdr_len: usize,
+    layout: Layout,
     stats: &mut DirStats,
 ) -> usize {
+    let hdr_len = layout.hdr_len;
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
     for chain in &batch.chains {
         if let Some(seg) = batch.writable(chain).first() {
@@ -246,8 +347,6 @@ fn rx_simple(
             virtq::split::prefetch_write(seg.addr.wrapping_add(64));
         }
     }
-    let hdr = header(1);
-    let hdr = &hdr[..hdr_len];
     for (chain, f) in batch.chains.iter().zip(frames) {
         let need = hdr_len + f.len;
         let segs = batch.writable(chain);
@@ -257,7 +356,7 @@ fn rx_simple(
             rx.add_used(chain.head, 0);
             continue;
         }
-        write_frame(segs, hdr, f.frame());
+        write_frame(segs, &header(f, layout.rx_offloads, 1)[..hdr_len], f.frame());
         rx.add_used(chain.head, need as u32);
         stats.packets += 1;
         stats.bytes += f.len as u64;
@@ -271,6 +370,7 @@ fn rx_mergeable(
     rx: &mut SplitQueue,
     batch: &mut Batch,
     frames: &[vhostd_backends::FrameBuf],
+    offloads: bool,
     stats: &mut DirStats,
 ) -> usize {
     let mut done = 0;
@@ -327,7 +427,7 @@ fn rx_mergeable(
             if nbufs == 1 {
                 // The common case: the frame fits the next chain.
                 let chain = &batch.chains[c];
-                write_frame(batch.writable(chain), &header(1), f.frame());
+                write_frame(batch.writable(chain), &header(f, offloads, 1), f.frame());
                 rx.add_used(chain.head, need as u32);
                 stats.packets += 1;
                 stats.bytes += f.len as u64;
@@ -343,7 +443,7 @@ fn rx_mergeable(
                 if first {
                     // A driver must post buffers of at least a header; one
                     // that did not gets a truncated header, nothing worse.
-                    used = copy_to_segs(segs, 0, &header(nbufs));
+                    used = copy_to_segs(segs, 0, &header(f, offloads, nbufs));
                     first = false;
                 }
                 let n = copy_to_segs(segs, used, &f.frame()[off..]);
@@ -367,6 +467,8 @@ mod ctrl {
     pub const CLASS_MAC: u8 = 1;
     pub const CLASS_ANNOUNCE: u8 = 3;
     pub const CLASS_MQ: u8 = 4;
+    pub const CLASS_GUEST_OFFLOADS: u8 = 5;
+    pub const GUEST_OFFLOADS_SET: u8 = 0;
     pub const MQ_VQ_PAIRS_SET: u8 = 0;
     pub const MAC_ADDR_SET: u8 = 1;
     pub const OK: u8 = 0;
@@ -382,8 +484,20 @@ pub struct CtrlState {
     pub max_pairs: u16,
     /// MAC set through VIRTIO_NET_CTRL_MAC_ADDR_SET.
     pub mac: [u8; 6],
+    /// Receive offloads (GUEST_* feature bits) the driver negotiated: the
+    /// most VIRTIO_NET_CTRL_GUEST_OFFLOADS_SET may enable.
+    pub offloads_allowed: u64,
+    /// Receive offloads in force (GUEST_* bits).
+    pub offloads: u64,
     /// Commands refused (malformed or unsupported).
     pub errors: u64,
+}
+
+impl CtrlState {
+    /// The state after reset: every pair active, the configured MAC.
+    pub fn new(pairs: u16, mac: [u8; 6]) -> CtrlState {
+        CtrlState { active_pairs: pairs, max_pairs: pairs, mac, offloads_allowed: 0, offloads: 0, errors: 0 }
+    }
 }
 
 /// Handles the control requests in the ring. Returns the number handled.
@@ -401,6 +515,15 @@ pub fn process_ctrl(q: &mut SplitQueue, batch: &mut Batch, state: &mut CtrlState
                     let pairs = u16::from_le_bytes([data[0], data[1]]);
                     if pairs >= 1 && pairs <= state.max_pairs {
                         state.active_pairs = pairs;
+                        ctrl::OK
+                    } else {
+                        ctrl::ERR
+                    }
+                }
+                (ctrl::CLASS_GUEST_OFFLOADS, ctrl::GUEST_OFFLOADS_SET) if data.len() >= 8 => {
+                    let bits = u64::from_le_bytes(data[..8].try_into().unwrap_or_default());
+                    if bits & !state.offloads_allowed == 0 {
+                        state.offloads = bits;
                         ctrl::OK
                     } else {
                         ctrl::ERR
@@ -443,14 +566,32 @@ mod tests {
     #[test]
     fn layout_follows_features() {
         let v1 = virtq::ring::features::VERSION_1;
-        assert_eq!(Layout::from_features(v1), Layout { hdr_len: 12, mergeable: false });
-        assert_eq!(Layout::from_features(features::MRG_RXBUF), Layout { hdr_len: 12, mergeable: true });
-        assert_eq!(Layout::from_features(0), Layout { hdr_len: 10, mergeable: false });
+        let plain = |hdr_len, mergeable| Layout { hdr_len, mergeable, tx_offloads: false, rx_offloads: false };
+        assert_eq!(Layout::from_features(v1), plain(12, false));
+        assert_eq!(Layout::from_features(features::MRG_RXBUF), plain(12, true));
+        assert_eq!(Layout::from_features(0), plain(10, false));
+        let l = Layout::from_features(v1 | features::CSUM);
+        assert!(l.tx_offloads && !l.rx_offloads);
+        let l = Layout::from_features(v1 | features::GUEST_CSUM);
+        assert!(!l.tx_offloads && l.rx_offloads);
     }
 
     #[test]
-    fn header_carries_num_buffers() {
-        assert_eq!(header(3)[10..12], [3, 0]);
-        assert_eq!(header(3)[..10], [0; 10]);
+    fn header_carries_num_buffers_and_offloads_only_when_accepted() {
+        let mut f = vhostd_backends::FrameBuf::new();
+        f.vnet_hdr = [1, 0, 34, 0, 0x40, 0x05, 34, 0, 16, 0];
+        assert_eq!(header(&f, false, 3), [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0]);
+        assert_eq!(header(&f, true, 1), [1, 0, 34, 0, 0x40, 0x05, 34, 0, 16, 0, 1, 0]);
+    }
+
+    #[test]
+    fn offload_features_follow_the_backend() {
+        use features::*;
+        assert_eq!(offload_features(Offloads::default()), 0);
+        let tso = Offloads { csum: true, tso4: true, tso6: true, ecn: true, ..Default::default() };
+        let f = offload_features(tso);
+        assert_eq!(f & (CSUM | GUEST_CSUM | HOST_TSO4 | GUEST_TSO6 | HOST_ECN), CSUM | GUEST_CSUM | HOST_TSO4 | GUEST_TSO6 | HOST_ECN);
+        assert_eq!(f & (HOST_UFO | GUEST_UFO | HOST_USO | GUEST_USO4), 0);
+        assert_eq!(guest_offloads(f & GUEST_OFFLOADS), tso);
     }
 }

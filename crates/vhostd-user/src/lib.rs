@@ -40,6 +40,14 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 pub mod features {
     /// VIRTIO_NET_F_CSUM
     pub const NET_CSUM: u64 = 1 << 0;
+    /// VIRTIO_NET_F_GUEST_CSUM
+    pub const NET_GUEST_CSUM: u64 = 1 << 1;
+    /// VIRTIO_NET_F_CTRL_GUEST_OFFLOADS
+    pub const NET_CTRL_GUEST_OFFLOADS: u64 = 1 << 2;
+    /// VIRTIO_NET_F_GUEST_TSO4
+    pub const NET_GUEST_TSO4: u64 = 1 << 7;
+    /// VIRTIO_NET_F_HOST_TSO4
+    pub const NET_HOST_TSO4: u64 = 1 << 11;
     /// VIRTIO_NET_F_MAC
     pub const NET_MAC: u64 = 1 << 5;
     /// VIRTIO_NET_F_MRG_RXBUF

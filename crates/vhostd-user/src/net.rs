@@ -138,6 +138,14 @@ impl TxQueue {
     /// visible to the backend after `flush`. Ok(false) when no slot is free.
     #[inline]
     pub fn send_frame(&mut self, frame: &[u8]) -> Result<bool, Error> {
+        self.send_frame_with_header(&[], frame)
+    }
+
+    /// As `send_frame`, with the virtio_net_hdr starting with `hdr` (the
+    /// rest zero): e.g. checksum or segmentation offload requests.
+    #[inline]
+    pub fn send_frame_with_header(&mut self, hdr: &[u8], frame: &[u8]) -> Result<bool, Error> {
+        let hdr = &hdr[..hdr.len().min(self.hdr_len)];
         if frame.len() > self.max_frame() {
             return Err(Error::Config(format!(
                 "frame of {} bytes exceeds {}",
@@ -153,6 +161,7 @@ impl TxQueue {
         // ours (not in flight); `frame` is private memory, so no overlap.
         unsafe {
             std::ptr::write_bytes(p, 0, self.hdr_len);
+            std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, hdr.len());
             std::ptr::copy_nonoverlapping(frame.as_ptr(), p.add(self.hdr_len), frame.len());
         }
         let len = (self.hdr_len + frame.len()) as u32;
@@ -221,6 +230,7 @@ pub struct RxQueue {
     mrg: bool,
     /// Reassembly of a frame spread over several buffers.
     merged: Vec<u8>,
+    merged_hdr: Vec<u8>,
     merge_left: u16,
     scratch: Vec<Used>,
     /// Counters (packets/bytes count delivered frames).
@@ -269,6 +279,7 @@ impl RxQueue {
             slot_of,
             mrg,
             merged: Vec::new(),
+            merged_hdr: Vec::new(),
             merge_left: 0,
             scratch: vec![Used::default(); size as usize],
             stats: NetStats::default(),
@@ -282,6 +293,17 @@ impl RxQueue {
     /// the device broke is an error.
     #[inline]
     pub fn recv_burst(&mut self, max: usize, mut f: impl FnMut(&[u8])) -> Result<usize, Error> {
+        self.recv_burst_with_header(max, |_, frame| f(frame))
+    }
+
+    /// As `recv_burst`, also passing each frame's virtio_net_hdr (the first
+    /// buffer's; num_buffers included when mergeable).
+    #[inline]
+    pub fn recv_burst_with_header(
+        &mut self,
+        max: usize,
+        mut f: impl FnMut(&[u8], &[u8]),
+    ) -> Result<usize, Error> {
         let max = max.min(self.scratch.len());
         let mut out = std::mem::take(&mut self.scratch);
         let r = self.queue.ring.pop_used_batch(&mut out[..max], true);
@@ -311,7 +333,7 @@ impl RxQueue {
     }
 
     #[inline]
-    fn handle(&mut self, u: &Used, f: &mut impl FnMut(&[u8])) -> usize {
+    fn handle(&mut self, u: &Used, f: &mut impl FnMut(&[u8], &[u8])) -> usize {
         let len = u.len as usize;
         if len > self.buf_size as usize {
             self.stats.bad += 1;
@@ -337,7 +359,7 @@ impl RxQueue {
             if self.merge_left == 0 {
                 self.stats.packets += 1;
                 self.stats.bytes += self.merged.len() as u64;
-                f(&self.merged);
+                f(&self.merged_hdr, &self.merged);
                 return 1;
             }
             return 0;
@@ -359,9 +381,11 @@ impl RxQueue {
         if nbufs == 1 {
             self.stats.packets += 1;
             self.stats.bytes += frame.len() as u64;
-            f(frame);
+            f(&data[..self.hdr_len], frame);
             return 1;
         }
+        self.merged_hdr.clear();
+        self.merged_hdr.extend_from_slice(&data[..self.hdr_len]);
         self.merged.clear();
         self.merged.extend_from_slice(frame);
         self.merge_left = nbufs - 1;

@@ -1,8 +1,9 @@
 //! The command line. Every value is checked here, so a bad argument exits
 //! with status 2 and a message naming it before anything is set up.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use std::path::PathBuf;
+use vhostd_backends::{BackendKind, TapSpec};
 
 /// vhost-user device daemon: serves virtio devices to a VMM over a
 /// vhost-user socket, moving packets on its own dataplane threads.
@@ -19,8 +20,8 @@ pub enum Command {
     Net(NetArgs),
 }
 
-/// Which backend moves the device's packets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+/// Which backend moves the device's packets, as given on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BackendArg {
     /// Frames the guest sends come back to it.
     Loopback,
@@ -28,6 +29,78 @@ pub enum BackendArg {
     Sink,
     /// Generated frames fill the guest's receive buffers.
     Source,
+    /// A TAP interface.
+    Tap(TapSpec),
+}
+
+const BACKEND_HELP: &str = "expected loopback, sink, source, tap,ifname=NAME[,offloads=on|off] \
+                            or tap,fd=N[:M...][,offloads=on|off]";
+
+fn parse_backend(s: &str) -> Result<BackendArg, String> {
+    let mut parts = s.split(',');
+    let kind = parts.next().unwrap_or_default();
+    let rest: Vec<&str> = parts.collect();
+    let simple = match kind {
+        "loopback" => Some(BackendArg::Loopback),
+        "sink" => Some(BackendArg::Sink),
+        "source" => Some(BackendArg::Source),
+        "tap" => None,
+        _ => return Err(format!("unknown backend '{kind}': {BACKEND_HELP}")),
+    };
+    if let Some(b) = simple {
+        if !rest.is_empty() {
+            return Err(format!("backend '{kind}' takes no options, got '{}'", rest.join(",")));
+        }
+        return Ok(b);
+    }
+    let mut spec = TapSpec { ifname: None, fds: vec![], offloads: true };
+    let mut seen = Vec::new();
+    for opt in rest {
+        let (key, value) = opt.split_once('=').ok_or_else(|| format!("tap option '{opt}' is not key=value"))?;
+        if seen.contains(&key) {
+            return Err(format!("tap option '{key}' given twice"));
+        }
+        seen.push(key);
+        match key {
+            "ifname" => {
+                // IFNAMSIZ - 1; no '/', ':' or whitespace (the kernel's dev_valid_name).
+                if value.is_empty()
+                    || value.len() > 15
+                    || value == "."
+                    || value == ".."
+                    || value.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
+                {
+                    return Err(format!("tap ifname '{value}': expected an interface name of 1 to 15 characters without '/', ':' or spaces"));
+                }
+                spec.ifname = Some(value.to_string());
+            }
+            "fd" => {
+                for f in value.split(':') {
+                    let fd: i32 = f.parse().map_err(|_| format!("tap fd '{value}': expected descriptor numbers like 3 or 3:4"))?;
+                    if fd < 0 {
+                        return Err(format!("tap fd '{value}': expected descriptor numbers like 3 or 3:4"));
+                    }
+                    if spec.fds.contains(&fd) {
+                        return Err(format!("tap fd '{value}': descriptor {fd} given twice"));
+                    }
+                    spec.fds.push(fd);
+                }
+            }
+            "offloads" => {
+                spec.offloads = match value {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(format!("tap offloads '{value}': expected on or off")),
+                }
+            }
+            _ => return Err(format!("unknown tap option '{key}' (known: ifname, fd, offloads)")),
+        }
+    }
+    match (&spec.ifname, spec.fds.is_empty()) {
+        (None, true) => Err("tap needs ifname=NAME or fd=N[:M...]".into()),
+        (Some(_), false) => Err("tap takes ifname= or fd=, not both".into()),
+        _ => Ok(BackendArg::Tap(spec)),
+    }
 }
 
 #[derive(Args, Debug)]
@@ -35,8 +108,11 @@ pub struct NetArgs {
     /// Unix socket to listen on for the vhost-user frontend (created; removed on exit).
     #[arg(long, value_name = "PATH")]
     pub socket_path: PathBuf,
-    /// Packet backend.
-    #[arg(long, value_enum)]
+    /// Packet backend: loopback, sink, source, tap,ifname=NAME[,offloads=on|off]
+    /// (creates or attaches to TAP NAME; one TAP queue per queue pair) or
+    /// tap,fd=N[:M...][,offloads=on|off] (already-open TAP queues, one per
+    /// queue pair, e.g. from a privileged manager).
+    #[arg(long, value_parser = parse_backend, value_name = "BACKEND")]
     pub backend: BackendArg,
     /// Queue pairs (one dataplane thread each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -128,9 +204,37 @@ fn parse_mac(s: &str) -> Result<Mac, String> {
     Ok(Mac(mac))
 }
 
+impl NetArgs {
+    /// The backend to build.
+    pub fn backend_kind(&self) -> BackendKind {
+        match &self.backend {
+            BackendArg::Loopback => BackendKind::Loopback,
+            BackendArg::Sink => BackendKind::Sink,
+            BackendArg::Source => BackendKind::Source { pkt_size: self.pkt_size as usize },
+            BackendArg::Tap(spec) => BackendKind::Tap(spec.clone()),
+        }
+    }
+}
+
 /// Parses the process arguments; exits with status 2 on a bad one.
 pub fn parse() -> Cli {
-    Cli::parse()
+    let cli = Cli::parse();
+    let Command::Net(net) = &cli.command;
+    if let BackendArg::Tap(spec) = &net.backend {
+        if !spec.fds.is_empty() && spec.fds.len() != net.queues as usize {
+            Cli::command()
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!(
+                        "--backend tap,fd=...: {} descriptor(s) for --queues {}; give one TAP queue descriptor per queue pair",
+                        spec.fds.len(),
+                        net.queues
+                    ),
+                )
+                .exit();
+        }
+    }
+    cli
 }
 
 #[cfg(test)]
@@ -151,6 +255,25 @@ mod tests {
         assert!(parse_mac("02:00:00:00:00").is_err());
         assert!(parse_mac("01:00:00:00:00:00").unwrap_err().contains("multicast"));
         assert!(parse_mac("zz:00:00:00:00:00").is_err());
+    }
+
+    #[test]
+    fn backends() {
+        assert_eq!(parse_backend("sink").unwrap(), BackendArg::Sink);
+        assert!(parse_backend("sink,x=1").unwrap_err().contains("no options"));
+        assert!(parse_backend("nope").unwrap_err().contains("unknown backend"));
+        let t = parse_backend("tap,ifname=vtap0").unwrap();
+        assert_eq!(t, BackendArg::Tap(TapSpec { ifname: Some("vtap0".into()), fds: vec![], offloads: true }));
+        let t = parse_backend("tap,fd=3:4,offloads=off").unwrap();
+        assert_eq!(t, BackendArg::Tap(TapSpec { ifname: None, fds: vec![3, 4], offloads: false }));
+        assert!(parse_backend("tap").unwrap_err().contains("needs ifname"));
+        assert!(parse_backend("tap,ifname=a,fd=3").unwrap_err().contains("not both"));
+        assert!(parse_backend("tap,ifname=0123456789abcdef").unwrap_err().contains("15 characters"));
+        assert!(parse_backend("tap,ifname=a/b").is_err());
+        assert!(parse_backend("tap,fd=3:3").unwrap_err().contains("twice"));
+        assert!(parse_backend("tap,fd=x").is_err());
+        assert!(parse_backend("tap,ifname=a,offloads=maybe").unwrap_err().contains("on or off"));
+        assert!(parse_backend("tap,ifname=a,mtu=9000").unwrap_err().contains("unknown tap option"));
     }
 
     #[test]

@@ -9,10 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
-use vhostd_backends::BackendKind;
 use vhostd_net::CtrlState;
 
-use crate::cli::{BackendArg, NetArgs};
+use crate::cli::NetArgs;
 use crate::session::{Device, Session};
 use crate::worker::{self, Mode, Shared, WorkerReport};
 
@@ -249,27 +248,44 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, signals: &Signals) -> io::Result<b
 /// Runs the net device until SIGINT/SIGTERM.
 pub fn run_net(args: NetArgs) -> io::Result<()> {
     let signals = Signals::new()?;
+    let mac = args.mac.0;
+    // Backends first: a TAP that cannot be opened leaves nothing behind.
+    let backends = vhostd_backends::build(&args.backend_kind(), mac, args.queues as usize)?;
+    let offload_features = backends.tap.as_ref().map_or(0, |t| vhostd_net::offload_features(t.caps()));
+    if let Some(t) = &backends.tap {
+        tracing::info!(
+            "TAP {}: {} queue(s), vnet header {}, offloads {:?}",
+            t.name(),
+            args.queues,
+            if t.has_vnet_hdr() { "on" } else { "off" },
+            t.caps()
+        );
+    }
     let listener = bind(&args.socket_path)?;
     let _socket_file = SocketFile(args.socket_path.clone());
-    let mac = args.mac.0;
-    let kind = match args.backend {
-        BackendArg::Loopback => BackendKind::Loopback,
-        BackendArg::Sink => BackendKind::Sink,
-        BackendArg::Source => BackendKind::Source { pkt_size: args.pkt_size as usize },
-    };
     let shared = Arc::new(Shared {
         active_pairs: AtomicU16::new(args.queues),
-        ctrl: Mutex::new(CtrlState { active_pairs: args.queues, max_pairs: args.queues, mac, errors: 0 }),
+        ctrl: Mutex::new(CtrlState::new(args.queues, mac)),
         needs_reset: AtomicBool::new(false),
         stop: AtomicBool::new(false),
+        tap: backends.tap.map(Arc::new),
+        wakers: std::sync::OnceLock::new(),
     });
     let mode = if args.poll { Mode::Poll } else { Mode::Interrupt };
     let mut workers = Vec::new();
-    for pair in 0..args.queues {
-        let cpu = args.cpus.as_ref().map(|l| l.0[pair as usize % l.0.len()]);
-        workers.push(worker::spawn(pair, vhostd_backends::build(&kind, mac), mode, cpu, shared.clone())?);
+    for (pair, backend) in backends.queues.into_iter().enumerate() {
+        let cpu = args.cpus.as_ref().map(|l| l.0[pair % l.0.len()]);
+        workers.push(worker::spawn(pair as u16, backend, mode, cpu, shared.clone())?);
     }
-    let dev = Arc::new(Device { pairs: args.queues, max_queue_size: args.queue_size, mac, workers, shared });
+    let _ = shared.wakers.set(workers.iter().map(|w| w.waker()).collect::<io::Result<_>>()?);
+    let dev = Arc::new(Device {
+        pairs: args.queues,
+        max_queue_size: args.queue_size,
+        mac,
+        offload_features,
+        workers,
+        shared,
+    });
     eprintln!("vhostd: listening on {}", args.socket_path.display());
     loop {
         if wait_readable(&[listener.as_raw_fd(), signals.0])? == 1 {
@@ -312,7 +328,11 @@ fn print_stats(reports: &[WorkerReport]) {
                 continue;
             }
             let index = if slot == 2 { 2 * reports.len() } else { 2 * r.pair as usize + slot };
-            let backend_dropped = if slot == 0 { r.backend.dropped } else { 0 };
+            let backend_dropped = match slot {
+                0 => r.backend.rx_dropped,
+                1 => r.backend.tx_dropped,
+                _ => 0,
+            };
             let d = ring.dir.dropped + backend_dropped;
             out += &format!(
                 "stats queue={index} dir={name} packets={} bytes={} dropped={d} bad_chains={} batches={} kicks={} notifies={} busy_cycles={}\n",

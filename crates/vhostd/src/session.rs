@@ -28,6 +28,9 @@ pub struct Device {
     pub max_queue_size: u16,
     /// MAC address in the config space.
     pub mac: [u8; 6],
+    /// Offload features the backend supports (a TAP's checksum and
+    /// segmentation offloads), offered on top of the rest.
+    pub offload_features: u64,
     /// Dataplane workers, one per queue pair.
     pub workers: Vec<WorkerHandle>,
     /// State shared with the workers.
@@ -44,7 +47,18 @@ impl Device {
             | ring_features::EVENT_IDX
             | ring_features::INDIRECT_DESC
             | vhostd_net::DEVICE_FEATURES
+            | self.offload_features
             | PROTOCOL_FEATURES
+    }
+
+    /// Lets the TAP hand the guest frames that need the receive offloads
+    /// in `bits` (GUEST_* features).
+    pub fn apply_guest_offloads(&self, bits: u64) {
+        if let Some(tap) = &self.shared.tap {
+            if let Err(e) = tap.set_offloads(vhostd_net::guest_offloads(bits)) {
+                tracing::warn!("TAP {}: cannot set offloads {bits:#x}: {e}", tap.name());
+            }
+        }
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -233,8 +247,10 @@ impl Session {
         self.dev.shared.needs_reset.store(false, Ordering::Release);
         self.dev.shared.active_pairs.store(self.dev.pairs, Ordering::Release);
         if let Ok(mut c) = self.dev.shared.ctrl.lock() {
-            *c = CtrlState { active_pairs: self.dev.pairs, max_pairs: self.dev.pairs, mac: self.dev.mac, errors: c.errors };
+            *c = CtrlState { errors: c.errors, ..CtrlState::new(self.dev.pairs, self.dev.mac) };
         }
+        // No guest, no offloaded frames.
+        self.dev.apply_guest_offloads(0);
     }
 
     /// Installs a new memory table: running and parked rings are moved onto it.
@@ -337,6 +353,12 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         self.features = features;
         tracing::debug!("features acked: {features:#x}");
+        let offloads = features & vhostd_net::features::GUEST_OFFLOADS;
+        if let Ok(mut c) = self.dev.shared.ctrl.lock() {
+            c.offloads_allowed = offloads;
+            c.offloads = offloads;
+        }
+        self.dev.apply_guest_offloads(offloads);
         Ok(())
     }
 
@@ -465,7 +487,9 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
         let mac = self.dev.shared.ctrl.lock().map(|c| c.mac).unwrap_or(self.dev.mac);
-        let cfg = NetConfig { mac, status: STATUS_LINK_UP, max_queue_pairs: self.dev.pairs, mtu: 1500 };
+        let link_up = self.dev.shared.tap.as_ref().is_none_or(|t| t.link_up());
+        let status = if link_up { STATUS_LINK_UP } else { 0 };
+        let cfg = NetConfig { mac, status, max_queue_pairs: self.dev.pairs, mtu: 1500 };
         let bytes = cfg.bytes();
         let (off, len) = (offset as usize, size as usize);
         match off.checked_add(len) {

@@ -97,6 +97,11 @@ pub struct Shared {
     pub needs_reset: AtomicBool,
     /// Set at shutdown.
     pub stop: AtomicBool,
+    /// The TAP's device-wide controls, if the backend is a TAP.
+    pub tap: Option<Arc<vhostd_backends::TapControl>>,
+    /// Wakes every worker (set once they run): a change of active pairs
+    /// must reach sleeping workers, whose TAP queues attach or detach.
+    pub wakers: std::sync::OnceLock<Vec<EventFd>>,
 }
 
 /// The control thread's handle on a worker.
@@ -137,6 +142,11 @@ impl WorkerHandle {
         let (reply, rx) = channel();
         self.send(Cmd::Detach { slot, reply });
         rx.recv().ok().flatten()
+    }
+
+    /// A descriptor that wakes this worker.
+    pub fn waker(&self) -> std::io::Result<EventFd> {
+        self.wake.try_clone()
     }
 
     /// Current counters.
@@ -213,9 +223,18 @@ struct Worker {
     epoll: Epoll,
     idle_iters: u64,
     busy_iters: u64,
+    /// The backend is told whether anyone reads its RX side (a multi-queue
+    /// TAP then steers frames only to queues in use).
+    backend_active: bool,
+    /// The backend's RX descriptor is in the epoll set with EPOLLIN.
+    backend_armed: bool,
+    /// Receive offloads last applied from the control queue.
+    ctrl_offloads: u64,
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
+/// The backend's RX descriptor (a TAP queue) became readable.
+const BACKEND_TOKEN: u64 = u64::MAX - 1;
 /// Most `pause` instructions between two polls of idle rings (about a microsecond).
 const MAX_BACKOFF: u32 = 32;
 
@@ -236,6 +255,13 @@ pub fn spawn(
         wake.as_raw_fd(),
         EpollEvent::new(EventSet::IN, WAKE_TOKEN),
     )?;
+    let backend_armed = match backend.rx_fd() {
+        Some(fd) => {
+            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::empty(), BACKEND_TOKEN))?;
+            false
+        }
+        None => false,
+    };
     let worker = Worker {
         pair,
         rings: [Ring::new(), Ring::new(), Ring::new()],
@@ -249,6 +275,9 @@ pub fn spawn(
         epoll,
         idle_iters: 0,
         busy_iters: 0,
+        backend_active: true,
+        backend_armed,
+        ctrl_offloads: 0,
     };
     let thread = std::thread::Builder::new()
         .name(format!("vhostd-q{pair}"))
@@ -408,6 +437,11 @@ impl Worker {
             tx.report.busy_cycles += t1 - t0;
         }
         let active = self.pair < self.shared.active_pairs.load(Ordering::Relaxed);
+        let reading = active && rx.queue.is_some();
+        if reading != self.backend_active {
+            self.backend_active = reading;
+            self.backend.set_active(reading);
+        }
         if let (Some(q), true) = (rx.queue.as_mut(), active) {
             let n = process_rx(q, &mut rx.batch, self.backend.as_mut(), self.layout, &mut rx.report.dir);
             if n > 0 {
@@ -423,7 +457,19 @@ impl Worker {
             };
             let n = process_ctrl(q, &mut ctrl.batch, &mut state);
             if n > 0 {
-                self.shared.active_pairs.store(state.active_pairs, Ordering::Relaxed);
+                if state.offloads != self.ctrl_offloads {
+                    // VIRTIO_NET_CTRL_GUEST_OFFLOADS_SET (e.g. the guest attached XDP).
+                    self.ctrl_offloads = state.offloads;
+                    if let Some(tap) = &self.shared.tap {
+                        let _ = tap.set_offloads(vhostd_net::guest_offloads(state.offloads));
+                    }
+                }
+                let before = self.shared.active_pairs.swap(state.active_pairs, Ordering::Relaxed);
+                if before != state.active_pairs {
+                    for w in self.shared.wakers.get().into_iter().flatten() {
+                        let _ = w.write(1);
+                    }
+                }
                 if let Ok(mut s) = self.shared.ctrl.lock() {
                     *s = state;
                 }
@@ -453,6 +499,17 @@ impl Worker {
     /// or the backend has something.
     fn enable_notifications(&mut self) -> bool {
         let rx_has_frames = !self.backend.rx_frames(1).is_empty();
+        // A backend with a descriptor wakes us when it has frames, but only
+        // while the guest reads and nothing is already waiting for RX room
+        // (then the guest's RX kick is what we need, not a busy descriptor).
+        if let Some(fd) = self.backend.rx_fd() {
+            let arm = self.backend_active && !rx_has_frames;
+            if arm != self.backend_armed {
+                let events = if arm { EventSet::IN } else { EventSet::empty() };
+                let _ = self.epoll.ctl(ControlOperation::Modify, fd, EpollEvent::new(events, BACKEND_TOKEN));
+                self.backend_armed = arm;
+            }
+        }
         let mut more = false;
         for (i, ring) in self.rings.iter_mut().enumerate() {
             if let Some(q) = ring.queue.as_mut() {
@@ -483,6 +540,8 @@ impl Worker {
             let token = ev.data();
             if token == WAKE_TOKEN {
                 let _ = self.wake.read();
+            } else if token == BACKEND_TOKEN {
+                // Frames arrived: the next pass reads them.
             } else if let Some(ring) = self.rings.get_mut(token as usize) {
                 if let Some(k) = &ring.kick {
                     let _ = k.read();

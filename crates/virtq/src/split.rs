@@ -401,6 +401,20 @@ impl SplitQueue {
         n
     }
 
+    /// At least min(`want`, chains available) chains are available: reads
+    /// avail.idx only if the last read showed fewer than `want`.
+    pub fn available(&mut self, want: u16) -> u16 {
+        if self.broken {
+            return 0;
+        }
+        let seen = self.avail_seen.wrapping_sub(self.next_avail);
+        if seen >= want {
+            seen
+        } else {
+            self.pending()
+        }
+    }
+
     /// Pops up to `max` chains into `batch` (cleared first), reading
     /// avail.idx at most once (not at all if a previous read already showed
     /// `max` chains). Bad chains are completed with length 0, counted, and

@@ -22,13 +22,19 @@ impl Daemon {
     /// Starts `vhostd net --socket-path <tmp> <args>` and waits (bounded)
     /// until it listens.
     pub fn start(args: &[&str]) -> Daemon {
+        Daemon::start_in(None, args)
+    }
+
+    /// As `start`, with vhostd in network namespace `netns` (if given).
+    pub fn start_in(netns: Option<&NetNs>, args: &[&str]) -> Daemon {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("vhostd-it-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let sock = dir.join("net.sock");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vhostd"))
+        let mut cmd = vhostd_in(netns);
+        let mut child = cmd
             .arg("net")
             .arg("--socket-path")
             .arg(&sock)
@@ -140,6 +146,88 @@ impl Stats {
             .unwrap_or_else(|| panic!("no queue {q} {k}"))
             .parse()
             .unwrap()
+    }
+}
+
+/// A `vhostd` command that runs in `netns` (if given).
+pub fn vhostd_in(netns: Option<&NetNs>) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vhostd"));
+    if let Some(ns) = netns {
+        let f = std::fs::File::open(ns.path()).expect("open netns");
+        // SAFETY: between fork and exec the closure only calls setns(2) on
+        // a descriptor opened before the fork (async-signal-safe).
+        unsafe {
+            cmd.pre_exec(move || {
+                use std::os::fd::AsRawFd;
+                if libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    cmd
+}
+
+/// A network namespace of the test's own (removed on drop, with every
+/// interface in it).
+pub struct NetNs {
+    pub name: String,
+}
+
+impl NetNs {
+    pub fn new() -> NetNs {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("vhd-it-{}-{n}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).stderr(Stdio::null()).status();
+        let ok = Command::new("ip").args(["netns", "add", &name]).status().expect("run ip");
+        assert!(ok.success(), "ip netns add {name} (tests need root)");
+        let ns = NetNs { name };
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.name)
+    }
+
+    /// `ip -n NS ARGS...`, which must succeed.
+    pub fn ip(&self, args: &[&str]) {
+        let out = Command::new("ip").arg("-n").arg(&self.name).args(args).output().expect("run ip");
+        assert!(out.status.success(), "ip -n {} {args:?}: {}", self.name, String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Runs `f` on a thread inside the namespace: sockets and TAPs it
+    /// creates belong to the namespace.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let file = std::fs::File::open(self.path()).expect("open netns");
+        std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            // SAFETY: setns on this (new, short-lived) thread only.
+            assert_eq!(unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+            f()
+        })
+        .join()
+        .expect("thread in netns")
+    }
+
+    /// An interface counter, e.g. ("vtap0", "rx_packets").
+    pub fn counter(&self, ifname: &str, what: &str) -> u64 {
+        // `ip netns exec` mounts the namespace's own /sys.
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "cat"])
+            .arg(format!("/sys/class/net/{ifname}/statistics/{what}"))
+            .output()
+            .expect("run ip netns exec");
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or_else(|_| panic!("no {what} of {ifname}"))
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
     }
 }
 
