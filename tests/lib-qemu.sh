@@ -10,10 +10,21 @@ WORK=$(mktemp -d /tmp/vhostd-qemu.XXXXXX)
 VHOSTD_PID=
 QEMU_PID=
 
+NETNS=
+NETNS_PIDS=
+
 qemu_cleanup() {
-    [ -n "$QEMU_PID" ] && kill -9 "$QEMU_PID" 2>/dev/null
+    # QEMU_PID is `timeout`, QEMU its child: kill both.
+    [ -n "$QEMU_PID" ] && { pkill -9 -P "$QEMU_PID" 2>/dev/null; kill -9 "$QEMU_PID" 2>/dev/null; }
     [ -n "$VHOSTD_PID" ] && kill -9 "$VHOSTD_PID" 2>/dev/null
+    # shellcheck disable=SC2086 # a list of pids
+    [ -n "$NETNS_PIDS" ] && kill -9 $NETNS_PIDS 2>/dev/null
     wait 2>/dev/null
+    if [ -n "$NETNS" ]; then
+        # Processes still in the namespace (e.g. a daemonised httpd) go first.
+        ip netns pids "$NETNS" 2>/dev/null | xargs -r kill -9 2>/dev/null
+        ip netns del "$NETNS" 2>/dev/null
+    fi
     if [ -n "${KEEP_LOGS:-}" ]; then
         echo "logs kept in $WORK"
     else
@@ -31,9 +42,23 @@ wait_for() {
     done
 }
 
-# start_vhostd ARGS...: vhostd net on $WORK/net.sock; output in $WORK/vhostd.{out,err}.
+# make_netns: a fresh network namespace of this test ($NETNS), removed on exit
+# with every process in it.
+make_netns() {
+    NETNS=vhd-$(basename "$WORK" | tr -cd 'a-zA-Z0-9')
+    ip netns add "$NETNS" || return 1
+    ip -n "$NETNS" link set lo up
+}
+
+# in_ns COMMAND...: runs a command in $NETNS.
+in_ns() { ip netns exec "$NETNS" "$@"; }
+
+# start_vhostd ARGS...: vhostd net on $WORK/net.sock (in $NETNS if set);
+# output in $WORK/vhostd.{out,err}.
 start_vhostd() {
-    "$VHOSTD" net --socket-path "$WORK/net.sock" "$@" > "$WORK/vhostd.out" 2> "$WORK/vhostd.err" &
+    local ns=()
+    [ -n "$NETNS" ] && ns=(ip netns exec "$NETNS")
+    "${ns[@]}" "$VHOSTD" net --socket-path "$WORK/net.sock" "$@" > "$WORK/vhostd.out" 2> "$WORK/vhostd.err" &
     VHOSTD_PID=$!
     wait_for 10 grep -qs "vhostd: listening" "$WORK/vhostd.err" || {
         echo "vhostd did not start:"; cat "$WORK/vhostd.err"; return 1; }
@@ -62,24 +87,51 @@ vhostd_total() {
     sed -n "s/^stats total .*\b$1=\([0-9.]*\).*/\1/p" "$WORK/vhostd.out"
 }
 
-# boot_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest,
-# console in $WORK/console.log; returns when it powers off (or times out).
-boot_guest() {
+# start_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
+# in the background (QEMU_PID), console in $WORK/console.log. GUEST_SMP
+# (default 1) CPUs; GUEST_ARGS is appended to the kernel command line.
+start_guest() {
     local scenario=$1 timeout=$2 netdev_extra=${3:-} device_extra=${4:-}
-    timeout "$timeout" "$QEMU" -accel tcg -m 256M -smp 1 \
+    : > "$WORK/console.log"
+    timeout "$timeout" "$QEMU" -accel tcg -m 256M -smp "${GUEST_SMP:-1}" \
         -object memory-backend-memfd,id=mem0,size=256M,share=on -numa node,memdev=mem0 \
         -chardev socket,id=c0,path="$WORK/net.sock" \
         -netdev "vhost-user,id=n0,chardev=c0$netdev_extra" \
         -device "virtio-net-pci,netdev=n0,romfile=,vectors=0$device_extra" \
         -kernel "$GUEST_DIR/vmlinuz" -initrd "$GUEST_DIR/initramfs.cpio.gz" \
-        -append "console=ttyS0 panic=-1 quiet vhostd.test=$scenario" \
+        -append "console=ttyS0 panic=-1 quiet vhostd.test=$scenario ${GUEST_ARGS:-}" \
         -display none -serial "file:$WORK/console.log" -no-reboot -monitor none \
         2> "$WORK/qemu.err" &
     QEMU_PID=$!
+}
+
+# wait_guest: waits for the guest started by start_guest to power off (or
+# for its timeout); returns QEMU's status.
+wait_guest() {
     wait "$QEMU_PID"
     local rc=$?
     QEMU_PID=
     return $rc
+}
+
+# boot_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
+# and returns when it powers off (or times out).
+boot_guest() {
+    start_guest "$@"
+    wait_guest
+}
+
+# wait_console SECONDS PATTERN: waits until the console shows PATTERN (an
+# extended regex) or the guest stops; false if it did not show.
+wait_console() {
+    local deadline=$((SECONDS + $1))
+    until tr -d '\r' < "$WORK/console.log" | grep -qE "$2"; do
+        if [ $SECONDS -ge $deadline ] || ! kill -0 "$QEMU_PID" 2>/dev/null; then
+            tr -d '\r' < "$WORK/console.log" | grep -qE "$2"
+            return
+        fi
+        sleep 0.1
+    done
 }
 
 # guest_value KEY: a `VHOSTD-TEST: KEY=value` value from the console.
