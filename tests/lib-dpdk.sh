@@ -88,20 +88,27 @@ stop_pid() {
 
 # ---------------------------------------------------------------- testpmd
 
+# in_netns_cmd: the command prefix that runs a program in network namespace
+# $IN_NETNS (set it for one call: `IN_NETNS=ns tp_start ...`), or nothing.
+in_netns_cmd() { if [ -n "${IN_NETNS:-}" ]; then echo "ip netns exec $IN_NETNS"; fi; }
+
 # tp_start NAME EAL-AND-APP-ARGS...: starts `dpdk-testpmd ARGS` (which must
 # include `-- -i`) with --file-prefix derived from NAME, stdin a FIFO, stdout
 # and stderr a log (line-buffered through stdbuf so command output reaches
-# the log before the next prompt). Does not wait: see tp_wait_ready.
+# the log before the next prompt), in namespace $IN_NETNS if set. Does not
+# wait: see tp_wait_ready.
 tp_start() {
     local name=$1; shift
-    local fifo="$DPDK_W/$name.fifo" fd
+    local fifo="$DPDK_W/$name.fifo" fd ns
     TP_PREFIX[$name]="${DPDK_TAG:0:6}$$$name"
     TP_LOG[$name]="$DPDK_W/$name.log"
     rm -f "$fifo"; mkfifo "$fifo"
     # Opened read-write: never blocks, and testpmd never sees EOF while we live.
     exec {fd}<>"$fifo"
     TP_FD[$name]=$fd
-    timeout -k 5 "$TP_TIMEOUT" stdbuf -oL -eL \
+    ns=$(in_netns_cmd)
+    # shellcheck disable=SC2086 # ns is a list of words or empty
+    timeout -k 5 "$TP_TIMEOUT" $ns stdbuf -oL -eL \
         dpdk-testpmd --file-prefix="${TP_PREFIX[$name]}" "$@" \
         <"$fifo" >"${TP_LOG[$name]}" 2>&1 {fd}>&- &
     TP_PID[$name]=$!
@@ -212,13 +219,15 @@ tp_stop() {
 
 # ---------------------------------------------------------------- vhostd
 
-# vhostd_start NAME VHOSTD-ARGS...: starts vhostd (binary $VHOSTD) and waits
-# for "vhostd: listening on" on its stderr.
+# vhostd_start NAME VHOSTD-ARGS...: starts vhostd (binary $VHOSTD), in
+# namespace $IN_NETNS if set, and waits for "vhostd: listening on" on its stderr.
 vhostd_start() {
-    local name=$1; shift
+    local name=$1 ns; shift
     VH_OUT[$name]="$DPDK_W/$name.stdout"
     VH_ERR[$name]="$DPDK_W/$name.stderr"
-    timeout -k 5 "$VHOSTD_TIMEOUT" "$VHOSTD" "$@" >"${VH_OUT[$name]}" 2>"${VH_ERR[$name]}" &
+    ns=$(in_netns_cmd)
+    # shellcheck disable=SC2086 # ns is a list of words or empty
+    timeout -k 5 "$VHOSTD_TIMEOUT" $ns "$VHOSTD" "$@" >"${VH_OUT[$name]}" 2>"${VH_ERR[$name]}" &
     VH_PID[$name]=$!
     echo "$name: $VHOSTD $*" >>"$DPDK_W/commands"
     if ! poll_until 15 eval "grep -q 'vhostd: listening on' '${VH_ERR[$name]}' || ! alive ${VH_PID[$name]}"; then
