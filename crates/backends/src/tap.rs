@@ -78,6 +78,27 @@ impl Offloads {
     }
 }
 
+impl std::fmt::Display for Offloads {
+    /// e.g. "csum,tso4,tso6,ecn,ufo,uso4,uso6", or "none".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = [
+            (self.csum, "csum"),
+            (self.tso4, "tso4"),
+            (self.tso6, "tso6"),
+            (self.ecn, "ecn"),
+            (self.ufo, "ufo"),
+            (self.uso4, "uso4"),
+            (self.uso6, "uso6"),
+        ];
+        let on: Vec<&str> = names.iter().filter(|(on, _)| *on).map(|(_, n)| *n).collect();
+        if on.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&on.join(","))
+        }
+    }
+}
+
 /// struct ifreq, as far as TUNSETIFF / TUNGETIFF / SIOCGIFFLAGS use it.
 #[repr(C)]
 struct IfReq {

@@ -254,7 +254,7 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
     let offload_features = backends.tap.as_ref().map_or(0, |t| vhostd_net::offload_features(t.caps()));
     if let Some(t) = &backends.tap {
         tracing::info!(
-            "TAP {}: {} queue(s), vnet header {}, offloads {:?}",
+            "TAP {}: {} queue(s), vnet header {}, offloads {}",
             t.name(),
             args.queues,
             if t.has_vnet_hdr() { "on" } else { "off" },
