@@ -1,6 +1,8 @@
 # Shared by the QEMU interop tests and scripts/demo (source it; not a test).
 # Starts vhostd and boots the test guest against it under QEMU TCG, with
-# bounded waits and cleanup of everything on exit.
+# bounded waits and cleanup of everything on exit (QEMU, vhostd, the
+# network namespace of make_netns and every process in it), also when the
+# test is interrupted (SIGINT, SIGTERM, SIGHUP).
 
 VHOSTD=${VHOSTD:-$PWD/target/release/vhostd}
 QEMU=${QEMU:-qemu-system-x86_64}
@@ -14,8 +16,11 @@ NETNS=
 NETNS_PIDS=
 
 qemu_cleanup() {
-    # QEMU_PID is `timeout`, QEMU its child: kill both.
-    [ -n "$QEMU_PID" ] && { pkill -9 -P "$QEMU_PID" 2>/dev/null; kill -9 "$QEMU_PID" 2>/dev/null; }
+    # Best effort: a step that fails (a process already gone) must not end
+    # the cleanup under the caller's `set -e` or ERR trap.
+    set +e; trap - ERR
+    # QEMU_PID is `timeout`, which leads its own process group (QEMU's too).
+    [ -n "$QEMU_PID" ] && { kill -9 -- "-$QEMU_PID" 2>/dev/null; kill -9 "$QEMU_PID" 2>/dev/null; }
     [ -n "$VHOSTD_PID" ] && kill -9 "$VHOSTD_PID" 2>/dev/null
     # shellcheck disable=SC2086 # a list of pids
     [ -n "$NETNS_PIDS" ] && kill -9 $NETNS_PIDS 2>/dev/null
@@ -32,6 +37,9 @@ qemu_cleanup() {
     fi
 }
 trap qemu_cleanup EXIT
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # wait_for SECONDS COMMAND...: polls a condition, bounded.
 wait_for() {
@@ -82,6 +90,11 @@ stop_vhostd() {
     return $rc
 }
 
+# vhostd_queue INDEX KEY: a value from vhostd's final `stats queue=INDEX` line.
+vhostd_queue() {
+    sed -n "s/^stats queue=$1 .*\b$2=\([0-9.]*\).*/\1/p" "$WORK/vhostd.out"
+}
+
 # vhostd_total KEY: a value from vhostd's final `stats total` line.
 vhostd_total() {
     sed -n "s/^stats total .*\b$1=\([0-9.]*\).*/\1/p" "$WORK/vhostd.out"
@@ -105,9 +118,14 @@ start_guest() {
     QEMU_PID=$!
 }
 
-# wait_guest: waits for the guest started by start_guest to power off (or
-# for its timeout); returns QEMU's status.
+# wait_guest [SECONDS]: waits for the guest started by start_guest to power
+# off (or for start_guest's timeout); returns QEMU's status, or 124 when
+# SECONDS are given and pass first (QEMU is then still running).
 wait_guest() {
+    if [ -n "${1:-}" ]; then
+        qemu_gone() { ! kill -0 "$QEMU_PID" 2>/dev/null; }
+        wait_for "$1" qemu_gone || return 124
+    fi
     wait "$QEMU_PID"
     local rc=$?
     QEMU_PID=
