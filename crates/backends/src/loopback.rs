@@ -60,11 +60,11 @@ mod tests {
         let mut l = Loopback::new(4);
         let b = l.tx_buffers(3);
         for (i, f) in b.iter_mut().enumerate() {
-            f.data[0] = i as u8;
+            f.storage()[0] = i as u8;
             f.len = 60;
         }
         l.tx_commit(3);
-        assert_eq!(l.rx_frames(2).iter().map(|f| f.data[0]).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(l.rx_frames(2).iter().map(|f| f.frame()[0]).collect::<Vec<_>>(), vec![0, 1]);
         l.rx_consume(2);
         assert_eq!(l.rx_frames(8).len(), 1);
         // Next TX batch: the undelivered frame is dropped.

@@ -17,10 +17,10 @@ impl Source {
         let frames = (0..burst.max(1))
             .map(|i| {
                 let mut f = FrameBuf::new();
-                f.data[0..6].copy_from_slice(&[0xff; 6]);
-                f.data[6..12].copy_from_slice(&mac);
-                f.data[12..14].copy_from_slice(&[0x88, 0xb5]);
-                for (j, b) in f.data[14..len].iter_mut().enumerate() {
+                f.storage()[0..6].copy_from_slice(&[0xff; 6]);
+                f.storage()[6..12].copy_from_slice(&mac);
+                f.storage()[12..14].copy_from_slice(&[0x88, 0xb5]);
+                for (j, b) in f.storage()[14..len].iter_mut().enumerate() {
                     *b = (i + j) as u8;
                 }
                 f.len = len;
@@ -63,7 +63,7 @@ mod tests {
         for _ in 0..3 {
             let f = s.rx_frames(100);
             assert_eq!(f.len(), 8);
-            assert!(f.iter().all(|f| f.len == 64 && f.data[12..14] == [0x88, 0xb5]));
+            assert!(f.iter().all(|f| f.len == 64 && f.frame()[12..14] == [0x88, 0xb5]));
             s.rx_consume(8);
         }
         assert_eq!(s.stats().rx_frames, 24);

@@ -5,10 +5,10 @@
 //! one readv/writev each (a TAP has no batched I/O); the dataplane drains a
 //! batch per iteration.
 
-use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+use crate::link::{ioctl_ifreq, IfReq, Link};
 use crate::{BackendStats, FrameBuf, NetBackend, FRAME_ROOM, VNET_HDR_LEN};
 
 /// How the command line describes the TAP.
@@ -97,38 +97,6 @@ impl std::fmt::Display for Offloads {
             f.write_str(&on.join(","))
         }
     }
-}
-
-/// struct ifreq, as far as TUNSETIFF / TUNGETIFF / SIOCGIFFLAGS use it.
-#[repr(C)]
-struct IfReq {
-    name: [libc::c_char; libc::IFNAMSIZ],
-    flags: libc::c_short,
-    _pad: [u8; 22],
-}
-
-impl IfReq {
-    fn new(name: &str, flags: libc::c_int) -> IfReq {
-        let mut r = IfReq { name: [0; libc::IFNAMSIZ], flags: flags as libc::c_short, _pad: [0; 22] };
-        for (d, s) in r.name.iter_mut().zip(name.bytes().take(libc::IFNAMSIZ - 1)) {
-            *d = s as libc::c_char;
-        }
-        r
-    }
-
-    fn name(&self) -> String {
-        // SAFETY: name is NUL-terminated: the kernel writes at most
-        // IFNAMSIZ-1 characters, and new() leaves the last byte 0.
-        unsafe { CStr::from_ptr(self.name.as_ptr()) }.to_string_lossy().into_owned()
-    }
-}
-
-fn ioctl_ifreq(fd: RawFd, req: libc::Ioctl, ifr: &mut IfReq) -> io::Result<()> {
-    // SAFETY: ifr is a valid, writable ifreq-sized buffer for the call.
-    if unsafe { libc::ioctl(fd, req, ifr as *mut IfReq) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 fn ioctl_int(fd: RawFd, req: libc::Ioctl, arg: libc::c_ulong) -> io::Result<()> {
@@ -222,7 +190,7 @@ fn adopt_queue(fd: RawFd) -> io::Result<(OwnedFd, String, bool)> {
 }
 
 /// Opens the TAP queues of `pairs` queue pairs and the device-wide control.
-pub fn open(spec: &TapSpec, pairs: usize) -> io::Result<(Vec<Tap>, TapControl)> {
+pub fn open(spec: &TapSpec, pairs: usize) -> io::Result<(Vec<Tap>, TapControl, Option<Link>)> {
     let multi_queue = pairs > 1;
     let (fds, name, vnet_hdr) = if let Some(name) = &spec.ifname {
         let mut fds = Vec::with_capacity(pairs);
@@ -252,11 +220,12 @@ pub fn open(spec: &TapSpec, pairs: usize) -> io::Result<(Vec<Tap>, TapControl)> 
         (fds, names.swap_remove(0), vnet)
     };
     let control = TapControl::new(&fds[0], &name, vnet_hdr, spec.offloads)?;
+    let link = link_watch(fds[0].as_raw_fd(), &name);
     let queues = fds.into_iter().map(|fd| Tap::new(fd, multi_queue, vnet_hdr)).collect();
-    Ok((queues, control))
+    Ok((queues, control, link))
 }
 
-/// The device-wide side of a TAP: offloads and link state. TUNSETOFFLOAD on
+/// The device-wide side of a TAP: its offloads. TUNSETOFFLOAD on
 /// any queue applies to the whole device, so this keeps a duplicate of
 /// queue 0's descriptor (the queue stays attached while any copy is open).
 pub struct TapControl {
@@ -264,9 +233,6 @@ pub struct TapControl {
     name: String,
     vnet_hdr: bool,
     caps: Offloads,
-    /// A datagram socket in the TAP's network namespace for SIOCGIFFLAGS,
-    /// or None when the TAP lives elsewhere (link then reads as up).
-    link_sock: Option<OwnedFd>,
 }
 
 impl TapControl {
@@ -302,8 +268,7 @@ impl TapControl {
             ioctl_int(raw, libc::TUNSETOFFLOAD, 0)
                 .map_err(|e| io::Error::new(e.kind(), format!("{what}: TUNSETOFFLOAD: {e}")))?;
         }
-        let link_sock = link_socket(raw, name);
-        Ok(TapControl { fd, name: name.to_string(), vnet_hdr, caps, link_sock })
+        Ok(TapControl { fd, name: name.to_string(), vnet_hdr, caps })
     }
 
     /// The interface name.
@@ -330,32 +295,12 @@ impl TapControl {
         let flags = guest_accepts.and(self.caps).tun_flags();
         ioctl_int(self.fd.as_raw_fd(), libc::TUNSETOFFLOAD, flags as libc::c_ulong)
     }
-
-    /// Whether the TAP is administratively up and has carrier.
-    pub fn link_up(&self) -> bool {
-        let Some(sock) = &self.link_sock else { return true };
-        let mut ifr = IfReq::new(&self.name, 0);
-        match ioctl_ifreq(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) {
-            Ok(()) => {
-                let f = ifr.flags as libc::c_int;
-                f & libc::IFF_UP != 0 && f & libc::IFF_RUNNING != 0
-            }
-            Err(_) => false,
-        }
-    }
 }
 
-/// A socket to ask for the TAP's flags by name, if the TAP is in our network
-/// namespace (a descriptor may come from a TAP in another one, where the
-/// same name may mean a different interface).
-fn link_socket(tap: RawFd, name: &str) -> Option<OwnedFd> {
-    // SAFETY: socket() with constant arguments; the result is checked.
-    let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
-        return None;
-    }
-    // SAFETY: s was just created and is owned by nothing else.
-    let sock = unsafe { OwnedFd::from_raw_fd(s) };
+/// A watch on the TAP's link state, if the TAP is in our network namespace
+/// (a descriptor may come from a TAP in another one, where the same name
+/// may mean a different interface).
+fn link_watch(tap: RawFd, name: &str) -> Option<Link> {
     // TUNGETDEVNETNS (needs CAP_NET_ADMIN) names the TAP's namespace.
     // SAFETY: TUNGETDEVNETNS takes no argument and returns a new descriptor.
     let ns = unsafe { libc::ioctl(tap, libc::TUNGETDEVNETNS) };
@@ -374,7 +319,7 @@ fn link_socket(tap: RawFd, name: &str) -> Option<OwnedFd> {
             return None;
         }
     }
-    Some(sock)
+    Link::new(name).ok()
 }
 
 fn fd_inode(fd: &OwnedFd) -> Option<(u64, u64)> {
@@ -424,7 +369,7 @@ impl Tap {
         let buf = &mut self.rx[self.rx_ready];
         let iov = [
             libc::iovec { iov_base: buf.vnet_hdr.as_mut_ptr().cast(), iov_len: VNET_HDR_LEN },
-            libc::iovec { iov_base: buf.data.as_mut_ptr().cast(), iov_len: FRAME_ROOM },
+            libc::iovec { iov_base: buf.storage().as_mut_ptr().cast(), iov_len: buf.room() },
         ];
         let (iov, hdr) = if self.vnet_hdr { (&iov[..], VNET_HDR_LEN) } else { (&iov[1..], 0) };
         // SAFETY: the iovecs point at this buffer's header and data, with
@@ -464,7 +409,7 @@ impl NetBackend for Tap {
         for buf in &self.tx[..n.min(self.tx.len())] {
             let iov = [
                 libc::iovec { iov_base: buf.vnet_hdr.as_ptr() as *mut libc::c_void, iov_len: VNET_HDR_LEN },
-                libc::iovec { iov_base: buf.data.as_ptr() as *mut libc::c_void, iov_len: buf.len },
+                libc::iovec { iov_base: buf.frame().as_ptr() as *mut libc::c_void, iov_len: buf.frame().len() },
             ];
             let iov = if self.vnet_hdr { &iov[..] } else { &iov[1..] };
             // SAFETY: the iovecs point at this buffer's header and frame

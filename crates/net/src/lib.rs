@@ -221,7 +221,7 @@ pub fn process_tx(
         if len < hdr_len {
             stats.short_header += 1;
             stats.dropped += 1;
-        } else if len - hdr_len > bufs[filled].data.len() {
+        } else if len - hdr_len > bufs[filled].room() {
             stats.too_big += 1;
             stats.dropped += 1;
         } else {
@@ -234,20 +234,20 @@ pub fn process_tx(
                     // SAFETY: seg.len == len >= hdr_len + frame (a single
                     // segment carries the whole chain), so the source ranges
                     // (header, frame) are inside the translated buffer;
-                    // buf.data has room for `frame` bytes (checked above),
+                    // buf's storage has room for `frame` bytes (checked above),
                     // vnet_hdr for VNET_HDR_LEN <= hdr_len.
                     unsafe {
                         if layout.tx_offloads {
                             std::ptr::copy_nonoverlapping(seg.addr, buf.vnet_hdr.as_mut_ptr(), VNET_HDR_LEN);
                         }
-                        std::ptr::copy_nonoverlapping(seg.addr.add(hdr_len), buf.data.as_mut_ptr(), frame)
+                        std::ptr::copy_nonoverlapping(seg.addr.add(hdr_len), buf.storage().as_mut_ptr(), frame)
                     }
                 }
                 _ => {
                     if layout.tx_offloads {
                         copy_from_segs(segs, 0, &mut buf.vnet_hdr);
                     }
-                    copy_from_segs(segs, hdr_len, &mut buf.data[..frame]);
+                    copy_from_segs(segs, hdr_len, &mut buf.storage()[..frame]);
                 }
             }
             if !layout.tx_offloads {

@@ -3,7 +3,7 @@
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use std::path::PathBuf;
-use vhostd_backends::{BackendKind, TapSpec};
+use vhostd_backends::{AfXdpSpec, BackendKind, TapSpec, XdpMode};
 
 /// vhost-user device daemon: serves virtio devices to a VMM over a
 /// vhost-user socket, moving packets on its own dataplane threads.
@@ -31,10 +31,120 @@ pub enum BackendArg {
     Source,
     /// A TAP interface.
     Tap(TapSpec),
+    /// AF_XDP sockets on an interface.
+    AfXdp(AfXdpSpec),
 }
 
-const BACKEND_HELP: &str = "expected loopback, sink, source, tap,ifname=NAME[,offloads=on|off] \
-                            or tap,fd=N[:M...][,offloads=on|off]";
+const BACKEND_HELP: &str = "expected loopback, sink, source, tap,ifname=NAME[,offloads=on|off], \
+                            tap,fd=N[:M...][,offloads=on|off] or af-xdp,ifname=NAME[,...]";
+
+/// An interface name as the kernel accepts it (dev_valid_name).
+fn check_ifname(what: &str, value: &str) -> Result<(), String> {
+    // IFNAMSIZ - 1; no '/', ':' or whitespace.
+    if value.is_empty()
+        || value.len() > 15
+        || value == "."
+        || value == ".."
+        || value.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
+    {
+        return Err(format!("{what} ifname '{value}': expected an interface name of 1 to 15 characters without '/', ':' or spaces"));
+    }
+    Ok(())
+}
+
+fn parse_fd_list(what: &str, value: &str) -> Result<Vec<i32>, String> {
+    let mut fds = Vec::new();
+    for f in value.split(':') {
+        let fd: i32 = f.parse().map_err(|_| format!("{what} '{value}': expected descriptor numbers like 3 or 3:4"))?;
+        if fd < 0 {
+            return Err(format!("{what} '{value}': expected descriptor numbers like 3 or 3:4"));
+        }
+        if fds.contains(&fd) {
+            return Err(format!("{what} '{value}': descriptor {fd} given twice"));
+        }
+        fds.push(fd);
+    }
+    Ok(fds)
+}
+
+fn on_off(what: &str, value: &str) -> Result<bool, String> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{what} '{value}': expected on or off")),
+    }
+}
+
+fn parse_af_xdp(rest: &[&str]) -> Result<BackendArg, String> {
+    let mut spec = AfXdpSpec::new("");
+    let mut seen = Vec::new();
+    let num = |key: &str, value: &str, max: u32| -> Result<u32, String> {
+        match value.parse::<u32>() {
+            Ok(n) if n <= max => Ok(n),
+            _ => Err(format!("af-xdp {key} '{value}': expected a number from 0 to {max}")),
+        }
+    };
+    for opt in rest {
+        let (key, value) = opt.split_once('=').ok_or_else(|| format!("af-xdp option '{opt}' is not key=value"))?;
+        if seen.contains(&key) {
+            return Err(format!("af-xdp option '{key}' given twice"));
+        }
+        seen.push(key);
+        match key {
+            "ifname" => {
+                check_ifname("af-xdp", value)?;
+                spec.ifname = value.to_string();
+            }
+            "mode" => {
+                spec.mode = Some(match value {
+                    "native" => XdpMode::Native,
+                    "skb" => XdpMode::Skb,
+                    _ => return Err(format!("af-xdp mode '{value}': expected native or skb")),
+                })
+            }
+            "force-copy" => spec.force_copy = on_off("af-xdp force-copy", value)?,
+            "queues" => {
+                let n = num(key, value, 64)?;
+                if n == 0 {
+                    return Err("af-xdp queues '0': expected 1 to 64".into());
+                }
+                spec.queues = Some(n);
+            }
+            "start-queue" => spec.start_queue = num(key, value, 4095)?,
+            "inhibit" => spec.inhibit = on_off("af-xdp inhibit", value)?,
+            "xsks-map-fd" => {
+                let fds = parse_fd_list("af-xdp xsks-map-fd", value)?;
+                if fds.len() != 1 {
+                    return Err(format!("af-xdp xsks-map-fd '{value}': expected one descriptor number"));
+                }
+                spec.xsks_map_fd = Some(fds[0]);
+            }
+            "sock-fds" => spec.sock_fds = parse_fd_list("af-xdp sock-fds", value)?,
+            "map-path" => {
+                if value.is_empty() {
+                    return Err("af-xdp map-path: expected the path of a pinned XSKMAP".into());
+                }
+                spec.map_path = Some(PathBuf::from(value));
+            }
+            "map-start-index" => spec.map_start_index = num(key, value, u32::MAX / 2)?,
+            "rx-ring" => spec.rx_ring = num(key, value, 16384)?,
+            "tx-ring" => spec.tx_ring = num(key, value, 16384)?,
+            "busy-poll" => spec.busy_poll = on_off("af-xdp busy-poll", value)?,
+            _ => {
+                return Err(format!(
+                    "unknown af-xdp option '{key}' (known: ifname, mode, force-copy, queues, start-queue, inhibit, \
+                     xsks-map-fd, sock-fds, map-path, map-start-index, rx-ring, tx-ring, busy-poll)"
+                ))
+            }
+        }
+    }
+    if spec.ifname.is_empty() {
+        return Err("af-xdp needs ifname=NAME".into());
+    }
+    // Checks that do not depend on --queues; the rest after parsing.
+    spec.check_options().map_err(|e| format!("af-xdp: {e}"))?;
+    Ok(BackendArg::AfXdp(spec))
+}
 
 fn parse_backend(s: &str) -> Result<BackendArg, String> {
     let mut parts = s.split(',');
@@ -45,6 +155,7 @@ fn parse_backend(s: &str) -> Result<BackendArg, String> {
         "sink" => Some(BackendArg::Sink),
         "source" => Some(BackendArg::Source),
         "tap" => None,
+        "af-xdp" => return parse_af_xdp(&rest),
         _ => return Err(format!("unknown backend '{kind}': {BACKEND_HELP}")),
     };
     if let Some(b) = simple {
@@ -63,36 +174,11 @@ fn parse_backend(s: &str) -> Result<BackendArg, String> {
         seen.push(key);
         match key {
             "ifname" => {
-                // IFNAMSIZ - 1; no '/', ':' or whitespace (the kernel's dev_valid_name).
-                if value.is_empty()
-                    || value.len() > 15
-                    || value == "."
-                    || value == ".."
-                    || value.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
-                {
-                    return Err(format!("tap ifname '{value}': expected an interface name of 1 to 15 characters without '/', ':' or spaces"));
-                }
+                check_ifname("tap", value)?;
                 spec.ifname = Some(value.to_string());
             }
-            "fd" => {
-                for f in value.split(':') {
-                    let fd: i32 = f.parse().map_err(|_| format!("tap fd '{value}': expected descriptor numbers like 3 or 3:4"))?;
-                    if fd < 0 {
-                        return Err(format!("tap fd '{value}': expected descriptor numbers like 3 or 3:4"));
-                    }
-                    if spec.fds.contains(&fd) {
-                        return Err(format!("tap fd '{value}': descriptor {fd} given twice"));
-                    }
-                    spec.fds.push(fd);
-                }
-            }
-            "offloads" => {
-                spec.offloads = match value {
-                    "on" => true,
-                    "off" => false,
-                    _ => return Err(format!("tap offloads '{value}': expected on or off")),
-                }
-            }
+            "fd" => spec.fds = parse_fd_list("tap fd", value)?,
+            "offloads" => spec.offloads = on_off("tap offloads", value)?,
             _ => return Err(format!("unknown tap option '{key}' (known: ifname, fd, offloads)")),
         }
     }
@@ -111,7 +197,11 @@ pub struct NetArgs {
     /// Packet backend: loopback, sink, source, tap,ifname=NAME[,offloads=on|off]
     /// (creates or attaches to TAP NAME; one TAP queue per queue pair) or
     /// tap,fd=N[:M...][,offloads=on|off] (already-open TAP queues, one per
-    /// queue pair, e.g. from a privileged manager).
+    /// queue pair, e.g. from a privileged manager), or
+    /// af-xdp,ifname=NAME[,mode=native|skb][,force-copy=on][,queues=N]
+    /// [,start-queue=M][,inhibit=on][,xsks-map-fd=N][,sock-fds=A:B...]
+    /// [,map-path=PATH][,map-start-index=I][,rx-ring=N][,tx-ring=N]
+    /// [,busy-poll=on] (QEMU's -netdev af-xdp options; see the README).
     #[arg(long, value_parser = parse_backend, value_name = "BACKEND")]
     pub backend: BackendArg,
     /// Queue pairs (one dataplane thread each).
@@ -212,6 +302,7 @@ impl NetArgs {
             BackendArg::Sink => BackendKind::Sink,
             BackendArg::Source => BackendKind::Source { pkt_size: self.pkt_size as usize },
             BackendArg::Tap(spec) => BackendKind::Tap(spec.clone()),
+            BackendArg::AfXdp(spec) => BackendKind::AfXdp(spec.clone()),
         }
     }
 }
@@ -231,6 +322,13 @@ pub fn parse() -> Cli {
                         net.queues
                     ),
                 )
+                .exit();
+        }
+    }
+    if let BackendArg::AfXdp(spec) = &net.backend {
+        if let Err(e) = spec.check(net.queues as usize) {
+            Cli::command()
+                .error(clap::error::ErrorKind::ArgumentConflict, format!("--backend af-xdp: {e}"))
                 .exit();
         }
     }
@@ -274,6 +372,41 @@ mod tests {
         assert!(parse_backend("tap,fd=x").is_err());
         assert!(parse_backend("tap,ifname=a,offloads=maybe").unwrap_err().contains("on or off"));
         assert!(parse_backend("tap,ifname=a,mtu=9000").unwrap_err().contains("unknown tap option"));
+    }
+
+    #[test]
+    fn af_xdp_options() {
+        let BackendArg::AfXdp(s) = parse_backend("af-xdp,ifname=veth0").unwrap() else { panic!() };
+        assert_eq!(s, AfXdpSpec::new("veth0"));
+        let BackendArg::AfXdp(s) =
+            parse_backend("af-xdp,ifname=v,mode=skb,force-copy=on,queues=2,start-queue=1,rx-ring=256,busy-poll=on").unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!((s.mode, s.force_copy, s.queues, s.start_queue, s.rx_ring, s.busy_poll), (Some(XdpMode::Skb), true, Some(2), 1, 256, true));
+        let BackendArg::AfXdp(s) = parse_backend("af-xdp,ifname=v,inhibit=on,sock-fds=5:6").unwrap() else { panic!() };
+        assert_eq!(s.sock_fds, vec![5, 6]);
+        let BackendArg::AfXdp(s) = parse_backend("af-xdp,ifname=v,inhibit=on,map-path=/sys/fs/bpf/m,map-start-index=4").unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!((s.map_path.as_deref(), s.map_start_index), (Some(std::path::Path::new("/sys/fs/bpf/m")), 4));
+        let err = |a: &str| parse_backend(a).unwrap_err();
+        assert!(err("af-xdp").contains("needs ifname"));
+        assert!(err("af-xdp,ifname=v,mode=fast").contains("native or skb"));
+        assert!(err("af-xdp,ifname=v,sock-fds=3").contains("need inhibit=on"));
+        assert!(err("af-xdp,ifname=v,map-path=/x").contains("need inhibit=on"));
+        assert!(err("af-xdp,ifname=v,inhibit=on").contains("needs sock-fds"));
+        assert!(err("af-xdp,ifname=v,inhibit=on,sock-fds=3,map-path=/x").contains("exclude"));
+        assert!(err("af-xdp,ifname=v,inhibit=on,xsks-map-fd=3,map-path=/x").contains("give one"));
+        assert!(err("af-xdp,ifname=v,map-start-index=2,inhibit=on,sock-fds=3").contains("map-start-index needs"));
+        assert!(err("af-xdp,ifname=v,rx-ring=1000").contains("power of two"));
+        assert!(err("af-xdp,ifname=v,queues=0").contains("1 to 64"));
+        assert!(err("af-xdp,ifname=v,start-queue=x").contains("expected a number"));
+        assert!(err("af-xdp,ifname=v,zerocopy=on").contains("unknown af-xdp option"));
+        assert!(err("af-xdp,ifname=v,force-copy=yes").contains("on or off"));
+        assert!(err("af-xdp,ifname=v,inhibit=on,sock-fds=3:3").contains("twice"));
+        assert!(AfXdpSpec { queues: Some(2), ..AfXdpSpec::new("v") }.check(1).unwrap_err().contains("--queues"));
     }
 
     #[test]

@@ -261,6 +261,11 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
             t.caps()
         );
     }
+    if let Some(x) = &backends.af_xdp {
+        tracing::info!("{x}, {} queue pair(s)", args.queues);
+    }
+    // The XDP program stays attached while this lives: until we return.
+    let _af_xdp = backends.af_xdp;
     let listener = bind(&args.socket_path)?;
     let _socket_file = SocketFile(args.socket_path.clone());
     let shared = Arc::new(Shared {
@@ -269,6 +274,7 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
         needs_reset: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         tap: backends.tap.map(Arc::new),
+        link: backends.link,
         wakers: std::sync::OnceLock::new(),
     });
     let mode = if args.poll { Mode::Poll } else { Mode::Interrupt };

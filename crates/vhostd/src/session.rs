@@ -487,7 +487,7 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
         let mac = self.dev.shared.ctrl.lock().map(|c| c.mac).unwrap_or(self.dev.mac);
-        let link_up = self.dev.shared.tap.as_ref().is_none_or(|t| t.link_up());
+        let link_up = self.dev.shared.link.as_ref().is_none_or(|l| l.up());
         let status = if link_up { STATUS_LINK_UP } else { 0 };
         let cfg = NetConfig { mac, status, max_queue_pairs: self.dev.pairs, mtu: 1500 };
         let bytes = cfg.bytes();

@@ -99,6 +99,8 @@ pub struct Shared {
     pub stop: AtomicBool,
     /// The TAP's device-wide controls, if the backend is a TAP.
     pub tap: Option<Arc<vhostd_backends::TapControl>>,
+    /// The interface whose link state the device reports, if any.
+    pub link: Option<vhostd_backends::Link>,
     /// Wakes every worker (set once they run): a change of active pairs
     /// must reach sleeping workers, whose TAP queues attach or detach.
     pub wakers: std::sync::OnceLock<Vec<EventFd>>,

@@ -10,9 +10,7 @@
 mod common;
 
 use common::*;
-use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::process::Stdio;
 use std::time::Duration;
 use vhostd_user::features as f;
 use vhostd_user::{Buf, VirtioUser};
@@ -25,69 +23,6 @@ const ETH_P_IP: u16 = 0x0800;
 /// A TAP name unique to this test process.
 fn tap_name(tag: &str) -> String {
     format!("vt{}{tag}", std::process::id() % 100000)
-}
-
-/// A packet socket on an interface of a namespace: the host side of the TAP.
-struct Packet {
-    fd: OwnedFd,
-}
-
-impl Packet {
-    /// Receives frames of EtherType `proto` arriving on `ifname` (not the
-    /// ones it sends); with `vnet_hdr` frames carry a virtio_net_hdr.
-    fn open(ns: &NetNs, ifname: &str, proto: u16, vnet_hdr: bool) -> Packet {
-        let ifname = ifname.to_string();
-        let fd = ns.run(move || {
-            // SAFETY: plain socket calls on a new descriptor; every result
-            // is checked; sockaddr_ll is plain data.
-            unsafe {
-                let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto.to_be() as i32);
-                assert!(fd >= 0, "packet socket: {}", std::io::Error::last_os_error());
-                let on: libc::c_int = 1;
-                if vnet_hdr {
-                    let r = libc::setsockopt(fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &on as *const _ as *const _, 4);
-                    assert_eq!(r, 0, "PACKET_VNET_HDR");
-                }
-                let rcvbuf: libc::c_int = 8 << 20;
-                libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &rcvbuf as *const _ as *const _, 4);
-                let name = CString::new(ifname.clone()).unwrap();
-                let ifindex = libc::if_nametoindex(name.as_ptr());
-                assert!(ifindex > 0, "no interface {ifname}");
-                let mut sll: libc::sockaddr_ll = std::mem::zeroed();
-                sll.sll_family = libc::AF_PACKET as u16;
-                sll.sll_protocol = proto.to_be();
-                sll.sll_ifindex = ifindex as i32;
-                let r = libc::bind(fd, &sll as *const _ as *const libc::sockaddr, std::mem::size_of_val(&sll) as u32);
-                assert_eq!(r, 0, "bind packet socket: {}", std::io::Error::last_os_error());
-                fd
-            }
-        });
-        // SAFETY: fd is a new descriptor owned by nothing else.
-        Packet { fd: unsafe { OwnedFd::from_raw_fd(fd) } }
-    }
-
-    fn send(&self, data: &[u8]) {
-        // SAFETY: data is a valid buffer of its length.
-        let n = unsafe { libc::send(self.fd.as_raw_fd(), data.as_ptr().cast(), data.len(), 0) };
-        assert_eq!(n, data.len() as isize, "packet send: {}", std::io::Error::last_os_error());
-    }
-
-    /// The next frame, or None after `timeout`.
-    fn recv(&self, timeout: Duration) -> Option<Vec<u8>> {
-        let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        if unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) } != 1 {
-            return None;
-        }
-        let mut buf = vec![0u8; 70000];
-        // SAFETY: buf is writable for its length.
-        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        if n < 0 {
-            return None;
-        }
-        buf.truncate(n as usize);
-        Some(buf)
-    }
 }
 
 /// A TAP-backed vhostd in a fresh namespace, TAP up.
@@ -433,33 +368,6 @@ fn open_tap_fd(ns: &NetNs, name: &str, flags: libc::c_int) -> OwnedFd {
     });
     // SAFETY: a new descriptor owned by nothing else.
     unsafe { OwnedFd::from_raw_fd(fd) }
-}
-
-/// Runs vhostd expecting it to refuse to start; returns its stderr.
-fn refused(ns: Option<&NetNs>, args: &[&str], code: i32) -> String {
-    let dir = tempdir();
-    let sock = dir.join("net.sock");
-    let out = vhostd_in(ns)
-        .arg("net")
-        .arg("--socket-path")
-        .arg(&sock)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(code), "vhostd {args:?}: {err}");
-    assert!(!sock.exists(), "nothing left behind");
-    let _ = std::fs::remove_dir_all(&dir);
-    err
-}
-
-fn tempdir() -> std::path::PathBuf {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("vhostd-tap-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 #[test]

@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -14,6 +16,7 @@ use vhostd_user::{Options, VirtioUser};
 /// A running vhostd with its own socket directory.
 pub struct Daemon {
     child: Option<Child>,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
     dir: PathBuf,
     pub sock: PathBuf,
 }
@@ -45,8 +48,14 @@ impl Daemon {
             .expect("spawn vhostd");
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let log2 = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(mut l) = log2.lock() {
+                    l.push_str(&line);
+                    l.push('\n');
+                }
                 if line.starts_with("vhostd: listening on") {
                     let _ = tx.send(());
                 }
@@ -56,7 +65,12 @@ impl Daemon {
             }
         });
         rx.recv_timeout(Duration::from_secs(10)).expect("vhostd did not start listening");
-        Daemon { child: Some(child), dir, sock }
+        Daemon { child: Some(child), log, dir, sock }
+    }
+
+    /// What vhostd has written to stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
     pub fn pid(&self) -> i32 {
@@ -285,3 +299,95 @@ pub fn frame(seq: u32, len: usize) -> Vec<u8> {
 pub fn sock_path(d: &Daemon) -> &Path {
     &d.sock
 }
+
+/// A packet socket on an interface of a namespace: the host side of a TAP,
+/// or the peer of a veth.
+pub struct Packet {
+    fd: OwnedFd,
+}
+
+impl Packet {
+    /// Receives frames of EtherType `proto` arriving on `ifname` (not the
+    /// ones it sends); with `vnet_hdr` frames carry a virtio_net_hdr.
+    pub fn open(ns: &NetNs, ifname: &str, proto: u16, vnet_hdr: bool) -> Packet {
+        let ifname = ifname.to_string();
+        let fd = ns.run(move || {
+            // SAFETY: plain socket calls on a new descriptor; every result
+            // is checked; sockaddr_ll is plain data.
+            unsafe {
+                let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto.to_be() as i32);
+                assert!(fd >= 0, "packet socket: {}", std::io::Error::last_os_error());
+                let on: libc::c_int = 1;
+                if vnet_hdr {
+                    let r = libc::setsockopt(fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &on as *const _ as *const _, 4);
+                    assert_eq!(r, 0, "PACKET_VNET_HDR");
+                }
+                let rcvbuf: libc::c_int = 8 << 20;
+                libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &rcvbuf as *const _ as *const _, 4);
+                let name = CString::new(ifname.clone()).unwrap();
+                let ifindex = libc::if_nametoindex(name.as_ptr());
+                assert!(ifindex > 0, "no interface {ifname}");
+                let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+                sll.sll_family = libc::AF_PACKET as u16;
+                sll.sll_protocol = proto.to_be();
+                sll.sll_ifindex = ifindex as i32;
+                let r = libc::bind(fd, &sll as *const _ as *const libc::sockaddr, std::mem::size_of_val(&sll) as u32);
+                assert_eq!(r, 0, "bind packet socket: {}", std::io::Error::last_os_error());
+                fd
+            }
+        });
+        // SAFETY: fd is a new descriptor owned by nothing else.
+        Packet { fd: unsafe { OwnedFd::from_raw_fd(fd) } }
+    }
+
+    pub fn send(&self, data: &[u8]) {
+        // SAFETY: data is a valid buffer of its length.
+        let n = unsafe { libc::send(self.fd.as_raw_fd(), data.as_ptr().cast(), data.len(), 0) };
+        assert_eq!(n, data.len() as isize, "packet send: {}", std::io::Error::last_os_error());
+    }
+
+    /// The next frame, or None after `timeout`.
+    pub fn recv(&self, timeout: Duration) -> Option<Vec<u8>> {
+        let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) } != 1 {
+            return None;
+        }
+        let mut buf = vec![0u8; 70000];
+        // SAFETY: buf is writable for its length.
+        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n < 0 {
+            return None;
+        }
+        buf.truncate(n as usize);
+        Some(buf)
+    }
+}
+
+/// Runs vhostd expecting it to refuse to start; returns its stderr.
+pub fn refused(ns: Option<&NetNs>, args: &[&str], code: i32) -> String {
+    let dir = tempdir();
+    let sock = dir.join("net.sock");
+    let out = vhostd_in(ns)
+        .arg("net")
+        .arg("--socket-path")
+        .arg(&sock)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "vhostd {args:?}: {err}");
+    assert!(!sock.exists(), "nothing left behind");
+    let _ = std::fs::remove_dir_all(&dir);
+    err
+}
+
+pub fn tempdir() -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("vhostd-it-refused-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+

@@ -1,0 +1,450 @@
+//! The AF_XDP backend: one socket per queue pair, each with a UMEM of its
+//! own. Guest frames are copied straight into UMEM frames and handed to the
+//! TX ring; received frames are lent to the device in place (it copies them
+//! into guest buffers) and go back on the fill ring once delivered. One
+//! copy each way, one ring publish and at most one wake-up syscall per batch.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+
+use xsk::bpf::{self, XdpMode, XskMap};
+use xsk::{BindMode, Umem, Xsk, XskConfig, FRAME_SIZE, XDP_PACKET_HEADROOM};
+
+use crate::link::Link;
+use crate::{BackendStats, FrameBuf, NetBackend};
+
+/// Everything `--backend af-xdp,...` can say (QEMU's `-netdev af-xdp` options).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AfXdpSpec {
+    /// The interface.
+    pub ifname: String,
+    /// Where the XDP program runs; None: native, falling back to skb.
+    pub mode: Option<XdpMode>,
+    /// Bind with XDP_COPY even where zero-copy is possible.
+    pub force_copy: bool,
+    /// Sockets (queue pairs) asked for; must match `--queues` when given.
+    pub queues: Option<u32>,
+    /// The first device queue.
+    pub start_queue: u32,
+    /// Load no program: sockets come from `sock_fds`, or go into a map
+    /// given by `xsks_map_fd` / `map_path`.
+    pub inhibit: bool,
+    /// An XSKMAP descriptor to insert our sockets into.
+    pub xsks_map_fd: Option<RawFd>,
+    /// Open AF_XDP sockets, one per queue pair, not yet bound.
+    pub sock_fds: Vec<RawFd>,
+    /// A pinned XSKMAP to insert our sockets into.
+    pub map_path: Option<PathBuf>,
+    /// The map slot of the first socket.
+    pub map_start_index: u32,
+    /// RX (and fill) ring size.
+    pub rx_ring: u32,
+    /// TX (and completion) ring size.
+    pub tx_ring: u32,
+    /// SO_PREFER_BUSY_POLL / SO_BUSY_POLL / SO_BUSY_POLL_BUDGET.
+    pub busy_poll: bool,
+}
+
+impl AfXdpSpec {
+    /// Defaults for interface `ifname`.
+    pub fn new(ifname: &str) -> AfXdpSpec {
+        AfXdpSpec {
+            ifname: ifname.to_string(),
+            mode: None,
+            force_copy: false,
+            queues: None,
+            start_queue: 0,
+            inhibit: false,
+            xsks_map_fd: None,
+            sock_fds: Vec::new(),
+            map_path: None,
+            map_start_index: 0,
+            rx_ring: 1024,
+            tx_ring: 1024,
+            busy_poll: false,
+        }
+    }
+
+    /// Checks the options against each other and `pairs` (QEMU's rules).
+    pub fn check(&self, pairs: usize) -> Result<(), String> {
+        self.check_options()?;
+        if let Some(q) = self.queues {
+            if q as usize != pairs {
+                return Err(format!("queues={q} but --queues {pairs}: one socket per queue pair, give the same number"));
+            }
+        }
+        if !self.sock_fds.is_empty() && self.sock_fds.len() != pairs {
+            return Err(format!(
+                "sock-fds has {} descriptor(s) for {pairs} queue pair(s): give one per queue pair",
+                self.sock_fds.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the options against each other.
+    pub fn check_options(&self) -> Result<(), String> {
+        let has_map = self.xsks_map_fd.is_some() || self.map_path.is_some();
+        if !self.inhibit && (has_map || !self.sock_fds.is_empty()) {
+            return Err("sock-fds, xsks-map-fd and map-path need inhibit=on (vhostd loads no program then)".into());
+        }
+        if self.inhibit && !has_map && self.sock_fds.is_empty() {
+            return Err("inhibit=on needs sock-fds=, xsks-map-fd= or map-path= (who else steers frames to our sockets?)".into());
+        }
+        if self.xsks_map_fd.is_some() && self.map_path.is_some() {
+            return Err("xsks-map-fd and map-path both name a map: give one".into());
+        }
+        if !self.sock_fds.is_empty() && self.map_path.is_some() {
+            return Err("sock-fds and map-path exclude each other (as in QEMU): sockets passed in are already in their map".into());
+        }
+        if self.map_start_index != 0 && !has_map {
+            return Err("map-start-index needs xsks-map-fd= or map-path=".into());
+        }
+        for (what, n) in [("rx-ring", self.rx_ring), ("tx-ring", self.tx_ring)] {
+            if !n.is_power_of_two() || !(64..=16384).contains(&n) {
+                return Err(format!("{what}={n}: want a power of two from 64 to 16384"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The device-wide side: the attached program (detached when this drops,
+/// or when the process ends however it ends) and what was chosen.
+pub struct AfXdpControl {
+    /// The interface.
+    pub ifname: String,
+    /// Where our program runs; None when another program steers (inhibit).
+    pub mode: Option<XdpMode>,
+    /// The sockets are bound in zero-copy mode.
+    pub zero_copy: bool,
+    /// Device queues used.
+    pub queues: std::ops::Range<u32>,
+    _link: Option<OwnedFd>,
+    _map: Option<XskMap>,
+}
+
+impl std::fmt::Display for AfXdpControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let prog = match self.mode {
+            Some(XdpMode::Native) => "native (driver) XDP",
+            Some(XdpMode::Skb) => "skb (generic) XDP",
+            None => "program not ours (inhibit=on)",
+        };
+        write!(
+            f,
+            "AF_XDP {}: {prog}, {} mode, device queues {}..{}",
+            self.ifname,
+            if self.zero_copy { "zero-copy" } else { "copy" },
+            self.queues.start,
+            self.queues.end - 1
+        )
+    }
+}
+
+fn bad(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, format!("--backend af-xdp: {msg}"))
+}
+
+fn with(e: io::Error, what: &str) -> io::Error {
+    io::Error::new(e.kind(), format!("--backend af-xdp: {what}: {e}"))
+}
+
+/// Takes ownership of an inherited descriptor after checking it is open.
+fn adopt_fd(fd: RawFd, what: &str) -> io::Result<OwnedFd> {
+    // SAFETY: F_GETFD only reads the descriptor's flags.
+    if fd < 0 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(bad(format!("{what}={fd}: not an open descriptor")));
+    }
+    // SAFETY: fd is open and, by the command line's word, ours to own.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: F_SETFD with FD_CLOEXEC on a descriptor we own.
+    unsafe { libc::fcntl(owned.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+    Ok(owned)
+}
+
+/// Opens the sockets of `pairs` queue pairs, with the program and map
+/// unless `inhibit`. On error nothing stays attached.
+pub fn open(spec: &AfXdpSpec, pairs: usize) -> io::Result<(Vec<AfXdp>, AfXdpControl, Link)> {
+    spec.check(pairs).map_err(bad)?;
+    let name = &spec.ifname;
+    let ifindex = xsk::ifindex(name).map_err(|_| bad(format!("no interface '{name}' in this network namespace")))?;
+    let queues = spec.start_queue..spec.start_queue + pairs as u32;
+    if let Some(n) = xsk::queue_count(name) {
+        if queues.end > n {
+            return Err(bad(format!(
+                "queues {}..{} (start-queue={}, {pairs} pair(s)) but {name} has {n} queue(s)",
+                queues.start,
+                queues.end - 1,
+                spec.start_queue
+            )));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    let given: Vec<OwnedFd> = spec
+        .sock_fds
+        .iter()
+        .map(|&fd| {
+            if !seen.insert(fd) {
+                return Err(bad(format!("sock-fds: descriptor {fd} given twice")));
+            }
+            let owned = adopt_fd(fd, "sock-fds")?;
+            if !Xsk::is_xdp_socket(fd) {
+                return Err(bad(format!("sock-fds: descriptor {fd} is not an AF_XDP socket")));
+            }
+            Ok(owned)
+        })
+        .collect::<io::Result<_>>()?;
+    // The map our sockets go into, at which slot, and the program.
+    let (map, first_slot, link, mode) = if spec.inhibit {
+        let map = match (&spec.map_path, spec.xsks_map_fd) {
+            (Some(p), _) => Some(XskMap::open_pinned(p).map_err(|e| with(e, "map-path"))?),
+            (None, Some(fd)) => Some(XskMap::adopt(adopt_fd(fd, "xsks-map-fd")?).map_err(|e| with(e, &format!("xsks-map-fd={fd}")))?),
+            (None, None) => None,
+        };
+        (map, spec.map_start_index, None, None)
+    } else {
+        let entries = xsk::queue_count(name).unwrap_or(0).max(queues.end);
+        let map = XskMap::create(entries).map_err(|e| with(e, name))?;
+        let prog = bpf::load_redirect_program(&map).map_err(|e| with(e, name))?;
+        let (link, mode) = match spec.mode {
+            Some(m) => (bpf::attach(&prog, ifindex, m).map_err(|e| with(e, name))?, m),
+            None => match bpf::attach(&prog, ifindex, XdpMode::Native) {
+                Ok(l) => (l, XdpMode::Native),
+                Err(native) => {
+                    let l = bpf::attach(&prog, ifindex, XdpMode::Skb).map_err(|e| with(e, name))?;
+                    tracing::info!("{name}: native XDP refused ({native}); using skb mode");
+                    (l, XdpMode::Skb)
+                }
+            },
+        };
+        (Some(map), queues.start, Some(link), Some(mode))
+    };
+    if let Some(m) = &map {
+        let last = first_slot as u64 + pairs as u64 - 1;
+        if last >= m.entries() as u64 {
+            return Err(bad(format!(
+                "map slots {first_slot}..{last} but the XSKMAP has {} entries",
+                m.entries()
+            )));
+        }
+    }
+    let mut sockets = Vec::with_capacity(pairs);
+    let mut given = given.into_iter();
+    for i in 0..pairs as u32 {
+        let fd = match given.next() {
+            Some(fd) => fd,
+            None => Xsk::socket().map_err(|e| bad(e.to_string()))?,
+        };
+        let q = AfXdp::new(fd, ifindex, queues.start + i, spec).map_err(|e| with(e, &format!("{name} queue {}", queues.start + i)))?;
+        if let Some(m) = &map {
+            m.insert(first_slot + i, q.xsk.fd()).map_err(|e| with(e, name))?;
+        }
+        sockets.push(q);
+    }
+    let zero_copy = sockets.iter().all(|s| s.xsk.zero_copy());
+    let link_watch = Link::new(name)?;
+    let control = AfXdpControl { ifname: name.clone(), mode, zero_copy, queues, _link: link, _map: map };
+    Ok((sockets, control, link_watch))
+}
+
+/// Frames handed to the device per call at most.
+const BATCH: usize = 64;
+
+/// One AF_XDP socket: the backend of one queue pair.
+pub struct AfXdp {
+    // Field order matters: the socket (and its rings) goes before the UMEM
+    // the kernel may still reference.
+    xsk: Xsk,
+    umem: Umem,
+    /// UMEM frames free for TX.
+    free: Vec<u64>,
+    /// How many of the last free frames the last tx_buffers lent out.
+    lent: usize,
+    tx_bufs: Vec<FrameBuf>,
+    rx_bufs: Vec<FrameBuf>,
+    /// RX descriptors lent out by the last rx_frames.
+    rx_lent: u32,
+    /// A TX wake-up failed: frames wait on the TX ring for the next one.
+    tx_stalled: bool,
+    busy_poll: bool,
+    stats: BackendStats,
+    /// Frames we dropped (a guest frame too short to send).
+    tx_short: u64,
+}
+
+impl AfXdp {
+    fn new(fd: OwnedFd, ifindex: u32, queue_id: u32, spec: &AfXdpSpec) -> io::Result<AfXdp> {
+        let rx = spec.rx_ring as usize;
+        let tx = spec.tx_ring as usize;
+        // RX frames: exactly what the fill ring holds; TX frames: what the
+        // TX ring holds. Frames 0..rx start on the fill ring.
+        let umem = Umem::new(rx + tx, FRAME_SIZE)?;
+        let bind = if spec.force_copy { BindMode::Copy } else { BindMode::Auto };
+        let cfg = XskConfig { ifindex, queue_id, rx_size: spec.rx_ring, tx_size: spec.tx_ring, bind };
+        let mut xsk = Xsk::setup(fd, &umem, &cfg)?;
+        if spec.busy_poll {
+            xsk.set_busy_poll(20, BATCH as u32)?;
+        }
+        for i in 0..rx {
+            xsk.fill.write(i as u32, umem.frame_addr(i));
+        }
+        xsk.fill.submit(rx as u32);
+        if xsk.fill.needs_wakeup() {
+            xsk.kick_rx();
+        }
+        let free = (rx..rx + tx).rev().map(|i| umem.frame_addr(i)).collect();
+        let base = std::ptr::NonNull::new(umem.base()).expect("mapped");
+        // SAFETY: placeholders over the first byte of the UMEM; every use
+        // repoints them at a frame first.
+        let lend = || unsafe { FrameBuf::borrowed(base, 0) };
+        Ok(AfXdp {
+            xsk,
+            umem,
+            free,
+            lent: 0,
+            tx_bufs: (0..BATCH).map(|_| lend()).collect(),
+            rx_bufs: (0..BATCH).map(|_| lend()).collect(),
+            rx_lent: 0,
+            tx_stalled: false,
+            busy_poll: spec.busy_poll,
+            stats: BackendStats::default(),
+            tx_short: 0,
+        })
+    }
+
+    /// Frames the kernel finished sending go back to the free list.
+    #[inline]
+    fn reap_completions(&mut self) {
+        let n = self.xsk.comp.ready(self.xsk.tx.size());
+        for i in 0..n {
+            let addr = self.xsk.comp.read(i);
+            // Only frames of our TX range come back; anything else would be
+            // a kernel bug, and is not reused.
+            if self.umem.slice_ptr(addr, 1).is_some() {
+                self.free.push(self.umem.frame_base(addr));
+            }
+        }
+        if n > 0 {
+            self.xsk.comp.release(n);
+        }
+    }
+
+    fn kick_tx(&mut self) {
+        self.tx_stalled = !self.xsk.kick_tx();
+    }
+}
+
+impl NetBackend for AfXdp {
+    fn tx_buffers(&mut self, want: usize) -> &mut [FrameBuf] {
+        self.reap_completions();
+        if self.tx_stalled && self.xsk.tx.needs_wakeup() {
+            self.kick_tx();
+        }
+        let n = want.min(BATCH).min(self.free.len()).min(self.xsk.tx.free(want as u32) as usize);
+        let start = self.free.len() - n;
+        for (buf, &addr) in self.tx_bufs.iter_mut().zip(&self.free[start..]) {
+            let ptr = self.umem.slice_ptr(addr, FRAME_SIZE).expect("free frames are UMEM frames");
+            // SAFETY: a free TX frame is neither on a ring nor lent elsewhere:
+            // ours alone until committed.
+            unsafe { buf.repoint(ptr, FRAME_SIZE) };
+        }
+        self.lent = n;
+        &mut self.tx_bufs[..n]
+    }
+
+    fn tx_commit(&mut self, n: usize) {
+        let n = n.min(self.lent);
+        let start = self.free.len() - self.lent;
+        // Frames to send go on the TX ring; frames not used (and any too
+        // short to be Ethernet) stay free, compacted to the front.
+        let mut sent = 0u32;
+        let mut kept = start;
+        for i in 0..self.lent {
+            let addr = self.free[start + i];
+            let len = self.tx_bufs[i].len;
+            if i < n && (14..=FRAME_SIZE).contains(&len) {
+                self.xsk.tx.write(sent, libc::xdp_desc { addr, len: len as u32, options: 0 });
+                sent += 1;
+            } else {
+                if i < n {
+                    self.tx_short += 1;
+                }
+                self.free[kept] = addr;
+                kept += 1;
+            }
+        }
+        self.free.truncate(kept);
+        self.lent = 0;
+        if sent > 0 {
+            self.xsk.tx.submit(sent);
+            self.stats.tx_frames += sent as u64;
+            if self.xsk.tx.needs_wakeup() {
+                self.kick_tx();
+            }
+        }
+    }
+
+    fn rx_frames(&mut self, max: usize) -> &[FrameBuf] {
+        let max = max.min(BATCH) as u32;
+        let mut n = self.xsk.rx.ready(max).min(max);
+        if n == 0 && self.busy_poll {
+            self.xsk.kick_rx();
+            n = self.xsk.rx.ready(max).min(max);
+        }
+        for i in 0..n {
+            let d = self.xsk.rx.read(i);
+            let buf = &mut self.rx_bufs[i as usize];
+            // The kernel writes frames inside the UMEM; checked anyway so a
+            // bad descriptor becomes an empty frame, not a wild read.
+            let (ptr, len) = match self.umem.slice_ptr(d.addr, d.len as usize) {
+                Some(p) => (p, d.len as usize),
+                None => (self.umem.slice_ptr(self.umem.frame_base(d.addr), 0).unwrap_or(std::ptr::NonNull::dangling()), 0),
+            };
+            // SAFETY: an RX descriptor's frame is ours until released to the
+            // fill ring in rx_consume; the device only reads it.
+            unsafe { buf.repoint(ptr, len) };
+            buf.len = len;
+        }
+        self.rx_lent = n;
+        &self.rx_bufs[..n as usize]
+    }
+
+    fn rx_consume(&mut self, n: usize) {
+        let n = (n as u32).min(self.rx_lent);
+        if n == 0 {
+            return;
+        }
+        // The fill ring holds every RX frame, so it has room for these.
+        let room = self.xsk.fill.free(n);
+        let n = n.min(room);
+        for i in 0..n {
+            let addr = self.umem.frame_base(self.xsk.rx.read(i).addr);
+            self.xsk.fill.write(i, addr);
+        }
+        self.xsk.fill.submit(n);
+        self.xsk.rx.release(n);
+        self.rx_lent = 0;
+        self.stats.rx_frames += n as u64;
+        if self.xsk.fill.needs_wakeup() {
+            self.xsk.kick_rx();
+        }
+    }
+
+    fn rx_fd(&self) -> Option<RawFd> {
+        Some(self.xsk.fd())
+    }
+
+    fn stats(&self) -> BackendStats {
+        let k = self.xsk.statistics().unwrap_or_default();
+        BackendStats {
+            rx_dropped: self.stats.rx_dropped + k.rx_dropped + k.rx_ring_full,
+            tx_dropped: self.stats.tx_dropped + self.tx_short + k.tx_invalid_descs,
+            ..self.stats
+        }
+    }
+}
+
+/// Largest frame the kernel puts in a UMEM frame (the rest is headroom).
+pub const MAX_RX_FRAME: usize = FRAME_SIZE - XDP_PACKET_HEADROOM;
