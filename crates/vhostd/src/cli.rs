@@ -18,6 +18,41 @@ pub struct Cli {
 pub enum Command {
     /// Serve a virtio-net device.
     Net(NetArgs),
+    /// Do the privileged AF_XDP set-up (sockets, XDP program, XSKMAP), then
+    /// run COMMAND (e.g. setpriv ... vhostd net ...) with the sockets
+    /// inherited: `{sock-fds}` in its arguments becomes their numbers.
+    XdpHelper(XdpHelperArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct XdpHelperArgs {
+    /// The interface.
+    #[arg(long, value_name = "NAME", value_parser = |s: &str| check_ifname("--ifname", s).map(|_| s.to_string()))]
+    pub ifname: String,
+    /// Sockets (queue pairs), on device queues start-queue.. .
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub queues: u32,
+    /// The first device queue.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4095))]
+    pub start_queue: u32,
+    /// Where the program runs: native or skb (default: native, falling back to skb).
+    #[arg(long, value_parser = parse_xdp_mode)]
+    pub mode: Option<XdpMode>,
+    /// RLIMIT_MEMLOCK for COMMAND, in MiB, so it can register its UMEMs
+    /// without CAP_IPC_LOCK (default: 8 MiB per queue, the default rings' UMEM, plus 8).
+    #[arg(long, value_name = "MIB")]
+    pub memlock_mib: Option<u64>,
+    /// The command to run with the sockets, and its arguments.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+fn parse_xdp_mode(s: &str) -> Result<XdpMode, String> {
+    match s {
+        "native" => Ok(XdpMode::Native),
+        "skb" => Ok(XdpMode::Skb),
+        _ => Err(format!("expected native or skb, got '{s}'")),
+    }
 }
 
 /// Which backend moves the device's packets, as given on the command line.
@@ -95,13 +130,7 @@ fn parse_af_xdp(rest: &[&str]) -> Result<BackendArg, String> {
                 check_ifname("af-xdp", value)?;
                 spec.ifname = value.to_string();
             }
-            "mode" => {
-                spec.mode = Some(match value {
-                    "native" => XdpMode::Native,
-                    "skb" => XdpMode::Skb,
-                    _ => return Err(format!("af-xdp mode '{value}': expected native or skb")),
-                })
-            }
+            "mode" => spec.mode = Some(parse_xdp_mode(value).map_err(|e| format!("af-xdp mode: {e}"))?),
             "force-copy" => spec.force_copy = on_off("af-xdp force-copy", value)?,
             "queues" => {
                 let n = num(key, value, 64)?;
@@ -310,7 +339,7 @@ impl NetArgs {
 /// Parses the process arguments; exits with status 2 on a bad one.
 pub fn parse() -> Cli {
     let cli = Cli::parse();
-    let Command::Net(net) = &cli.command;
+    let Command::Net(net) = &cli.command else { return cli };
     if let BackendArg::Tap(spec) = &net.backend {
         if !spec.fds.is_empty() && spec.fds.len() != net.queues as usize {
             Cli::command()
@@ -393,7 +422,7 @@ mod tests {
         assert_eq!((s.map_path.as_deref(), s.map_start_index), (Some(std::path::Path::new("/sys/fs/bpf/m")), 4));
         let err = |a: &str| parse_backend(a).unwrap_err();
         assert!(err("af-xdp").contains("needs ifname"));
-        assert!(err("af-xdp,ifname=v,mode=fast").contains("native or skb"));
+        assert!(err("af-xdp,ifname=v,mode=fast").contains("native or skb, got 'fast'"));
         assert!(err("af-xdp,ifname=v,sock-fds=3").contains("need inhibit=on"));
         assert!(err("af-xdp,ifname=v,map-path=/x").contains("need inhibit=on"));
         assert!(err("af-xdp,ifname=v,inhibit=on").contains("needs sock-fds"));

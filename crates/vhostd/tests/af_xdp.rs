@@ -203,6 +203,18 @@ fn udp4_frame(sport: u16, len: usize) -> Vec<u8> {
     f
 }
 
+/// 0x88b5 test frames waiting in the guest's RX ring now.
+fn guest_recv_now_test(rx: &mut RxQueue) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    rx.recv_burst(256, |fr| {
+        if fr.len() >= 14 && fr[12..14] == ETH_P_TEST.to_be_bytes() {
+            got.push(fr.to_vec())
+        }
+    })
+    .unwrap();
+    got
+}
+
 /// UDP test frames waiting in the guest's RX ring now.
 fn guest_recv_now(rx: &mut RxQueue) -> Vec<Vec<u8>> {
     let mut got = Vec::new();
@@ -350,4 +362,59 @@ fn bad_af_xdp_arguments_are_refused_before_anything_is_set_up() {
     let (_s, _m, _link) = manager_setup(&ns, 1, false);
     let e = refused(Some(&ns), &["--backend", "af-xdp,ifname=vx0"], 1);
     assert!(e.contains("already has an XDP program"), "{e}");
+}
+
+/// What /proc says of a process: (uid, effective capabilities).
+fn uid_and_caps(pid: i32) -> (u32, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).unwrap().trim().to_string();
+    let uid = field("Uid:").split_whitespace().nth(1).unwrap().parse().unwrap();
+    let caps = u64::from_str_radix(&field("CapEff:"), 16).unwrap();
+    (uid, caps)
+}
+
+#[test]
+fn an_unprivileged_vhostd_moves_traffic_through_xdp_helper_sockets() {
+    let ns = veth_ns(2);
+    let vhostd = env!("CARGO_BIN_EXE_vhostd").to_string();
+    let d = Daemon::start_with(Some(&ns), |sock| {
+        [
+            "xdp-helper", "--ifname", "vx0", "--queues", "2", "--",
+            // nobody, no capabilities at all, none to regain.
+            "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
+            &vhostd, "net", "--socket-path", &sock.display().to_string(), "--queues", "2",
+            // Small rings: 2 x 2 MiB of UMEM fits the default 8 MiB
+            // RLIMIT_MEMLOCK, which a helper without CAP_SYS_RESOURCE
+            // cannot raise.
+            "--backend", "af-xdp,ifname=vx0,queues=2,inhibit=on,sock-fds={sock-fds},rx-ring=256,tx-ring=256",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    });
+    let (uid, caps) = uid_and_caps(d.pid());
+    assert_eq!((uid, caps), (65534, 0), "vhostd runs as nobody with no capabilities");
+    assert!(has_xdp(&ns, "vx0"), "the helper's program is attached");
+    let wire = Packet::open(&ns, "vx1", ETH_P_TEST, false);
+    let mut dev = d.connect();
+    let (mut rx0, mut tx0) = dev.net_queue_pair(0, 64).unwrap();
+    let (mut rx1, mut tx1) = dev.net_queue_pair(1, 64).unwrap();
+    guest_send(&mut tx0, &[frame(8, 88)]);
+    assert_eq!(wire.recv(T).expect("pair 0 to the wire"), frame(8, 88));
+    guest_send(&mut tx1, &[frame(9, 99)]);
+    assert_eq!(wire.recv(T).expect("pair 1 to the wire"), frame(9, 99));
+    // The wire's frames land on whichever queue the peer's hash picks.
+    wire.send(&frame(10, 100));
+    let mut got = Vec::new();
+    wait_until(T, || {
+        for rx in [&mut rx0, &mut rx1] {
+            got.extend(guest_recv_now_test(rx));
+        }
+        !got.is_empty()
+    });
+    assert_eq!(got, vec![frame(10, 100)], "the wire's frame reached the guest");
+    let s = d.stop();
+    assert_eq!(s.total("guest_tx_packets"), 2);
+    assert!(wait_until(T, || !has_xdp(&ns, "vx0")), "the program went with vhostd");
 }

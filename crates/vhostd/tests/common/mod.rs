@@ -30,18 +30,29 @@ impl Daemon {
 
     /// As `start`, with vhostd in network namespace `netns` (if given).
     pub fn start_in(netns: Option<&NetNs>, args: &[&str]) -> Daemon {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        Daemon::start_with(netns, move |sock| {
+            let mut v = vec!["net".to_string(), "--socket-path".to_string(), sock.display().to_string()];
+            v.extend(args);
+            v
+        })
+    }
+
+    /// Starts `vhostd <argv(socket path)>` in `netns` (if given) and waits
+    /// (bounded) until a vhostd it runs listens; the socket's directory is
+    /// open to every user (for a vhostd that drops privileges).
+    pub fn start_with(netns: Option<&NetNs>, argv: impl FnOnce(&Path) -> Vec<String>) -> Daemon {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("vhostd-it-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let sock = dir.join("net.sock");
         let mut cmd = vhostd_in(netns);
         let mut child = cmd
-            .arg("net")
-            .arg("--socket-path")
-            .arg(&sock)
-            .args(args)
+            .args(argv(&sock))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
