@@ -14,6 +14,7 @@ QEMU_PID=
 
 NETNS=
 NETNS_PIDS=
+PEER_NETNS=
 
 qemu_cleanup() {
     # Best effort: a step that fails (a process already gone) must not end
@@ -25,11 +26,12 @@ qemu_cleanup() {
     # shellcheck disable=SC2086 # a list of pids
     [ -n "$NETNS_PIDS" ] && kill -9 $NETNS_PIDS 2>/dev/null
     wait 2>/dev/null
-    if [ -n "$NETNS" ]; then
+    local ns
+    for ns in $NETNS $PEER_NETNS; do
         # Processes still in the namespace (e.g. a daemonised httpd) go first.
-        ip netns pids "$NETNS" 2>/dev/null | xargs -r kill -9 2>/dev/null
-        ip netns del "$NETNS" 2>/dev/null
-    fi
+        ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
+        ip netns del "$ns" 2>/dev/null
+    done
     if [ -n "${KEEP_LOGS:-}" ]; then
         echo "logs kept in $WORK"
     else
@@ -56,6 +58,14 @@ make_netns() {
     NETNS=vhd-$(basename "$WORK" | tr -cd 'a-zA-Z0-9')
     ip netns add "$NETNS" || return 1
     ip -n "$NETNS" link set lo up
+}
+
+# make_peer_netns: a second namespace ($PEER_NETNS), the far end of a
+# test's wire, removed on exit like $NETNS.
+make_peer_netns() {
+    PEER_NETNS=$NETNS-peer
+    ip netns add "$PEER_NETNS" || return 1
+    ip -n "$PEER_NETNS" link set lo up
 }
 
 # in_ns COMMAND...: runs a command in $NETNS.
