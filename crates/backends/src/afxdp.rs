@@ -269,6 +269,9 @@ pub struct AfXdp {
     /// A TX wake-up failed: frames wait on the TX ring for the next one.
     tx_stalled: bool,
     busy_poll: bool,
+    /// A TX wake-up ran since the last RX poll: with busy polling it also
+    /// ran the device's receive processing (the kernel busy-loops in sendmsg).
+    napi_driven: bool,
     stats: BackendStats,
     /// Frames we dropped (a guest frame too short to send).
     tx_short: u64,
@@ -309,6 +312,7 @@ impl AfXdp {
             rx_lent: 0,
             tx_stalled: false,
             busy_poll: spec.busy_poll,
+            napi_driven: false,
             stats: BackendStats::default(),
             tx_short: 0,
         })
@@ -333,6 +337,7 @@ impl AfXdp {
 
     fn kick_tx(&mut self) {
         self.tx_stalled = !self.xsk.kick_tx();
+        self.napi_driven = true;
     }
 }
 
@@ -389,7 +394,9 @@ impl NetBackend for AfXdp {
     fn rx_frames(&mut self, max: usize) -> &[FrameBuf] {
         let max = max.min(BATCH) as u32;
         let mut n = self.xsk.rx.ready(max).min(max);
-        if n == 0 && self.busy_poll {
+        // Busy polling: an empty ring costs a syscall that runs the device's
+        // receive processing here, unless a TX wake-up just did.
+        if n == 0 && self.busy_poll && !std::mem::take(&mut self.napi_driven) {
             self.xsk.kick_rx();
             n = self.xsk.rx.ready(max).min(max);
         }
