@@ -232,6 +232,11 @@ struct Worker {
     backend_armed: bool,
     /// Receive offloads last applied from the control queue.
     ctrl_offloads: u64,
+    /// The guest has frames to send but the backend took none (e.g. every
+    /// AF_XDP TX frame awaits its completion, or the interface is down).
+    tx_blocked: bool,
+    /// Idle passes in a row with TX blocked.
+    blocked_passes: u32,
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -239,6 +244,12 @@ const WAKE_TOKEN: u64 = u64::MAX;
 const BACKEND_TOKEN: u64 = u64::MAX - 1;
 /// Most `pause` instructions between two polls of idle rings (about a microsecond).
 const MAX_BACKOFF: u32 = 32;
+/// Idle passes with TX blocked before the worker sleeps between looks (a
+/// backend's completions normally arrive within microseconds; a downed
+/// interface must not cost a spinning CPU).
+const BLOCKED_SPINS: u32 = 4096;
+/// How long a worker with TX blocked sleeps between looks, in milliseconds.
+const BLOCKED_SLEEP_MS: i32 = 1;
 
 /// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
 pub fn spawn(
@@ -280,6 +291,8 @@ pub fn spawn(
         backend_active: true,
         backend_armed,
         ctrl_offloads: 0,
+        tx_blocked: false,
+        blocked_passes: 0,
     };
     let thread = std::thread::Builder::new()
         .name(format!("vhostd-q{pair}"))
@@ -335,6 +348,17 @@ impl Worker {
                 continue;
             }
             self.idle_iters += 1;
+            if self.tx_blocked {
+                // Only the backend can unblock TX: no kick would say so.
+                self.blocked_passes += 1;
+                if self.blocked_passes < BLOCKED_SPINS {
+                    std::hint::spin_loop();
+                } else {
+                    self.sleep(BLOCKED_SLEEP_MS);
+                }
+                continue;
+            }
+            self.blocked_passes = 0;
             let attached = self.rings.iter().any(|r| r.queue.is_some());
             // A ring started without a kick fd must be polled.
             let must_poll = self.rings.iter().any(|r| r.queue.is_some() && r.kick.is_none());
@@ -352,7 +376,7 @@ impl Worker {
                 self.disable_notifications();
                 continue;
             }
-            self.sleep();
+            self.sleep(-1);
             self.disable_notifications();
         }
         self.report()
@@ -427,11 +451,14 @@ impl Worker {
         let mut moved = 0;
         let t0 = tsc();
         let [rx, tx, ctrl] = &mut self.rings;
+        self.tx_blocked = false;
         if let Some(q) = tx.queue.as_mut() {
             let n = process_tx(q, &mut tx.batch, self.backend.as_mut(), self.layout, &mut tx.report.dir);
             if n > 0 {
                 tx.notify();
                 moved += n;
+            } else {
+                self.tx_blocked = q.pending() > 0;
             }
         }
         let t1 = tsc();
@@ -532,9 +559,10 @@ impl Worker {
         }
     }
 
-    fn sleep(&mut self) {
+    /// Sleeps until an event, or `timeout_ms` (-1: no timeout).
+    fn sleep(&mut self, timeout_ms: i32) {
         let mut events = [EpollEvent::default(); 8];
-        let n = match self.epoll.wait(-1, &mut events) {
+        let n = match self.epoll.wait(timeout_ms, &mut events) {
             Ok(n) => n,
             Err(_) => return,
         };
