@@ -9,7 +9,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 
 use xsk::bpf::{self, XdpMode, XskMap};
-use xsk::{BindMode, Umem, Xsk, XskConfig, FRAME_SIZE, XDP_PACKET_HEADROOM};
+use xsk::{BindMode, Umem, Xsk, XskConfig, FRAME_SIZE};
 
 use crate::link::Link;
 use crate::{BackendStats, FrameBuf, NetBackend};
@@ -206,20 +206,11 @@ pub fn open(spec: &AfXdpSpec, pairs: usize) -> io::Result<(Vec<AfXdp>, AfXdpCont
         (map, spec.map_start_index, None, None)
     } else {
         let entries = xsk::queue_count(name).unwrap_or(0).max(queues.end);
-        let map = XskMap::create(entries).map_err(|e| with(e, name))?;
-        let prog = bpf::load_redirect_program(&map).map_err(|e| with(e, name))?;
-        let (link, mode) = match spec.mode {
-            Some(m) => (bpf::attach(&prog, ifindex, m).map_err(|e| with(e, name))?, m),
-            None => match bpf::attach(&prog, ifindex, XdpMode::Native) {
-                Ok(l) => (l, XdpMode::Native),
-                Err(native) => {
-                    let l = bpf::attach(&prog, ifindex, XdpMode::Skb).map_err(|e| with(e, name))?;
-                    tracing::info!("{name}: native XDP refused ({native}); using skb mode");
-                    (l, XdpMode::Skb)
-                }
-            },
-        };
-        (Some(map), queues.start, Some(link), Some(mode))
+        let r = bpf::redirect(ifindex, entries, spec.mode).map_err(|e| with(e, name))?;
+        if let Some(native) = &r.native_refused {
+            tracing::info!("{name}: native XDP refused ({native}); using skb mode");
+        }
+        (Some(r.map), queues.start, Some(r.link), Some(r.mode))
     };
     if let Some(m) = &map {
         let last = first_slot as u64 + pairs as u64 - 1;
@@ -273,8 +264,6 @@ pub struct AfXdp {
     /// ran the device's receive processing (the kernel busy-loops in sendmsg).
     napi_driven: bool,
     stats: BackendStats,
-    /// Frames we dropped (a guest frame too short to send).
-    tx_short: u64,
 }
 
 impl AfXdp {
@@ -314,7 +303,6 @@ impl AfXdp {
             busy_poll: spec.busy_poll,
             napi_driven: false,
             stats: BackendStats::default(),
-            tx_short: 0,
         })
     }
 
@@ -374,7 +362,8 @@ impl NetBackend for AfXdp {
                 sent += 1;
             } else {
                 if i < n {
-                    self.tx_short += 1;
+                    // Too short to be Ethernet: dropped and counted.
+                    self.stats.tx_dropped += 1;
                 }
                 self.free[kept] = addr;
                 kept += 1;
@@ -447,11 +436,8 @@ impl NetBackend for AfXdp {
         let k = self.xsk.statistics().unwrap_or_default();
         BackendStats {
             rx_dropped: self.stats.rx_dropped + k.rx_dropped + k.rx_ring_full,
-            tx_dropped: self.stats.tx_dropped + self.tx_short + k.tx_invalid_descs,
+            tx_dropped: self.stats.tx_dropped + k.tx_invalid_descs,
             ..self.stats
         }
     }
 }
-
-/// Largest frame the kernel puts in a UMEM frame (the rest is headroom).
-pub const MAX_RX_FRAME: usize = FRAME_SIZE - XDP_PACKET_HEADROOM;

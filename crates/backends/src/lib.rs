@@ -13,7 +13,7 @@ mod sink;
 mod source;
 mod tap;
 
-pub use afxdp::{AfXdp, AfXdpControl, AfXdpSpec, MAX_RX_FRAME as AF_XDP_MAX_RX_FRAME};
+pub use afxdp::{AfXdp, AfXdpControl, AfXdpSpec};
 pub use link::Link;
 pub use loopback::Loopback;
 pub use xsk::bpf::XdpMode;

@@ -102,6 +102,19 @@ fn parse_fd_list(what: &str, value: &str) -> Result<Vec<i32>, String> {
     Ok(fds)
 }
 
+/// A backend's `key=value` options, each key at most once.
+fn key_values<'a>(backend: &str, rest: &[&'a str]) -> Result<Vec<(&'a str, &'a str)>, String> {
+    let mut out: Vec<(&str, &str)> = Vec::with_capacity(rest.len());
+    for opt in rest {
+        let (key, value) = opt.split_once('=').ok_or_else(|| format!("{backend} option '{opt}' is not key=value"))?;
+        if out.iter().any(|(k, _)| *k == key) {
+            return Err(format!("{backend} option '{key}' given twice"));
+        }
+        out.push((key, value));
+    }
+    Ok(out)
+}
+
 fn on_off(what: &str, value: &str) -> Result<bool, String> {
     match value {
         "on" => Ok(true),
@@ -112,19 +125,13 @@ fn on_off(what: &str, value: &str) -> Result<bool, String> {
 
 fn parse_af_xdp(rest: &[&str]) -> Result<BackendArg, String> {
     let mut spec = AfXdpSpec::new("");
-    let mut seen = Vec::new();
     let num = |key: &str, value: &str, max: u32| -> Result<u32, String> {
         match value.parse::<u32>() {
             Ok(n) if n <= max => Ok(n),
             _ => Err(format!("af-xdp {key} '{value}': expected a number from 0 to {max}")),
         }
     };
-    for opt in rest {
-        let (key, value) = opt.split_once('=').ok_or_else(|| format!("af-xdp option '{opt}' is not key=value"))?;
-        if seen.contains(&key) {
-            return Err(format!("af-xdp option '{key}' given twice"));
-        }
-        seen.push(key);
+    for (key, value) in key_values("af-xdp", rest)? {
         match key {
             "ifname" => {
                 check_ifname("af-xdp", value)?;
@@ -194,13 +201,7 @@ fn parse_backend(s: &str) -> Result<BackendArg, String> {
         return Ok(b);
     }
     let mut spec = TapSpec { ifname: None, fds: vec![], offloads: true };
-    let mut seen = Vec::new();
-    for opt in rest {
-        let (key, value) = opt.split_once('=').ok_or_else(|| format!("tap option '{opt}' is not key=value"))?;
-        if seen.contains(&key) {
-            return Err(format!("tap option '{key}' given twice"));
-        }
-        seen.push(key);
+    for (key, value) in key_values("tap", &rest)? {
         match key {
             "ifname" => {
                 check_ifname("tap", value)?;
@@ -435,6 +436,10 @@ mod tests {
         assert!(err("af-xdp,ifname=v,zerocopy=on").contains("unknown af-xdp option"));
         assert!(err("af-xdp,ifname=v,force-copy=yes").contains("on or off"));
         assert!(err("af-xdp,ifname=v,inhibit=on,sock-fds=3:3").contains("twice"));
+        assert!(err("af-xdp,ifname=v,ifname=w").contains("af-xdp option 'ifname' given twice"));
+        assert!(err("af-xdp,ifname=v,busy-poll").contains("af-xdp option 'busy-poll' is not key=value"));
+        assert!(err("tap,ifname=v,ifname=w").contains("tap option 'ifname' given twice"));
+        assert!(err("tap,offloads").contains("tap option 'offloads' is not key=value"));
         assert!(AfXdpSpec { queues: Some(2), ..AfXdpSpec::new("v") }.check(1).unwrap_err().contains("--queues"));
     }
 

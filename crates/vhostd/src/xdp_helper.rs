@@ -12,8 +12,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 
-use vhostd_backends::XdpMode;
-use xsk::bpf::{self, XskMap};
+use xsk::bpf;
 
 use crate::cli::XdpHelperArgs;
 
@@ -41,15 +40,8 @@ pub fn run(args: XdpHelperArgs) -> io::Result<()> {
             )));
         }
     }
-    let map = XskMap::create(device_queues.unwrap_or(0).max(end)).map_err(ctx)?;
-    let prog = bpf::load_redirect_program(&map).map_err(ctx)?;
-    let (link, mode) = match args.mode {
-        Some(m) => (bpf::attach(&prog, ifindex, m).map_err(ctx)?, m),
-        None => match bpf::attach(&prog, ifindex, XdpMode::Native) {
-            Ok(l) => (l, XdpMode::Native),
-            Err(_) => (bpf::attach(&prog, ifindex, XdpMode::Skb).map_err(ctx)?, XdpMode::Skb),
-        },
-    };
+    let bpf::Redirect { map, link, mode, .. } =
+        bpf::redirect(ifindex, device_queues.unwrap_or(0).max(end), args.mode).map_err(ctx)?;
     let mut socks = Vec::new();
     for i in 0..args.queues {
         let s = xsk::Xsk::socket().map_err(ctx)?;
@@ -83,9 +75,8 @@ pub fn run(args: XdpHelperArgs) -> io::Result<()> {
         end - 1,
         argv[0]
     );
-    // The map lives on in the program; our descriptors of it and of the
-    // program are not needed by the command.
-    drop(prog);
+    // The map lives on in the program; our descriptor of it is not
+    // needed by the command.
     drop(map);
     let err = std::process::Command::new(&argv[0]).args(&argv[1..]).exec();
     // exec returned: the command did not start; dropping link detaches.

@@ -219,6 +219,35 @@ pub fn attach(prog: &OwnedFd, ifindex: u32, mode: XdpMode) -> io::Result<OwnedFd
     })
 }
 
+/// The redirect program on an interface: its map and its attachment.
+pub struct Redirect {
+    /// The XSKMAP; slot i steers device queue i.
+    pub map: XskMap,
+    /// The BPF link: the program is attached while this (or a copy) is open.
+    pub link: OwnedFd,
+    /// Where the program runs.
+    pub mode: XdpMode,
+    /// Why native mode was refused, when no mode was asked for and skb is used.
+    pub native_refused: Option<io::Error>,
+}
+
+/// Creates an XSKMAP of `entries` slots, loads the redirect program and
+/// attaches it to `ifindex` in `mode`, or with no mode natively, falling
+/// back to skb mode.
+pub fn redirect(ifindex: u32, entries: u32, mode: Option<XdpMode>) -> io::Result<Redirect> {
+    let map = XskMap::create(entries)?;
+    // The link holds the program; our descriptor of it can go.
+    let prog = load_redirect_program(&map)?;
+    let (link, mode, native_refused) = match mode {
+        Some(m) => (attach(&prog, ifindex, m)?, m, None),
+        None => match attach(&prog, ifindex, XdpMode::Native) {
+            Ok(l) => (l, XdpMode::Native, None),
+            Err(native) => (attach(&prog, ifindex, XdpMode::Skb)?, XdpMode::Skb, Some(native)),
+        },
+    };
+    Ok(Redirect { map, link, mode, native_refused })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

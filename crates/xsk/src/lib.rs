@@ -20,9 +20,6 @@ pub use ring::{ConsRing, ProdRing};
 pub use socket::{queue_count, BindMode, Statistics, Xsk, XskConfig};
 pub use umem::Umem;
 
-/// Bytes the kernel keeps in front of each received packet (XDP_PACKET_HEADROOM).
-pub const XDP_PACKET_HEADROOM: usize = 256;
-
 /// Frame size of the UMEM: one page, the size every driver handles.
 pub const FRAME_SIZE: usize = 4096;
 

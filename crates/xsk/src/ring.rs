@@ -134,14 +134,6 @@ impl<T: Copy> ProdRing<T> {
         unsafe { (*self.map.producer).store(self.prod, Ordering::Release) };
     }
 
-    /// Descriptors submitted that the kernel has not consumed yet.
-    #[inline]
-    pub fn outstanding(&mut self) -> u32 {
-        // SAFETY: the consumer word is inside the live mapping.
-        self.cached_cons = unsafe { (*self.map.consumer).load(Ordering::Acquire) };
-        self.prod.wrapping_sub(self.cached_cons)
-    }
-
     /// The kernel asks to be woken (a syscall) to process this ring.
     #[inline]
     pub fn needs_wakeup(&self) -> bool {
@@ -194,12 +186,5 @@ impl<T: Copy> ConsRing<T> {
         // SAFETY: the consumer word is inside the live mapping. Release:
         // our reads of the descriptors happen before the kernel reuses them.
         unsafe { (*self.map.consumer).store(self.cons, Ordering::Release) };
-    }
-
-    /// The kernel asks to be woken (a syscall) to process this ring.
-    #[inline]
-    pub fn needs_wakeup(&self) -> bool {
-        // SAFETY: the flags word is inside the live mapping.
-        unsafe { (*self.map.flags).load(Ordering::Relaxed) & libc::XDP_RING_NEED_WAKEUP != 0 }
     }
 }
