@@ -15,7 +15,6 @@ use std::time::Duration;
 use vhostd_user::{RxQueue, TxQueue};
 
 const T: Duration = Duration::from_secs(20);
-const ETH_P_TEST: u16 = 0x88b5;
 
 /// A namespace with veth pair vx0 <-> vx1 (both up, `queues` queues each).
 fn veth_ns(queues: u32) -> NetNs {
@@ -57,12 +56,7 @@ fn guest_send(tx: &mut TxQueue, frames: &[Vec<u8>]) {
 fn guest_recv(rx: &mut RxQueue, n: usize) -> Vec<Vec<u8>> {
     let mut got = Vec::new();
     wait_until(T, || {
-        rx.recv_burst(64, |fr| {
-            if fr.len() >= 14 && fr[12..14] == ETH_P_TEST.to_be_bytes() {
-                got.push(fr.to_vec())
-            }
-        })
-        .unwrap();
+        got.extend(guest_recv_now(rx, ETH_P_TEST));
         got.len() >= n
     });
     got
@@ -173,7 +167,7 @@ fn two_queue_pairs_from_start_queue() {
     // queues 1 and 2 reach pairs 0 and 1, frames on queue 0 the kernel.
     // UDP flows (source ports) so the peer's flow hash spreads them.
     let ip_wire = Packet::open(&ns, "vx1", ETH_P_IP, false);
-    let sent: Vec<Vec<u8>> = (0..300u16).map(|s| udp4_frame(10000 + s, 128)).collect();
+    let sent: Vec<Vec<u8>> = (0..300u16).map(|s| udp4_frame(10000 + s, 128, s as u32)).collect();
     for fr in &sent {
         ip_wire.send(fr);
     }
@@ -182,8 +176,8 @@ fn two_queue_pairs_from_start_queue() {
     let per_queue = |q: u32, what: &str| veth_queue_stat(&ns, q, what);
     // Done when XDP has seen all 300 and each pair holds what its queue redirected.
     let all_in = wait_until(T, || {
-        got0.extend(guest_recv_now(&mut rx0));
-        got1.extend(guest_recv_now(&mut rx1));
+        got0.extend(guest_recv_now(&mut rx0, ETH_P_IP));
+        got1.extend(guest_recv_now(&mut rx1, ETH_P_IP));
         (0..3).map(|q| per_queue(q, "xdp_packets")).sum::<u64>() == 300
             && got0.len() as u64 == per_queue(1, "xdp_redirect")
             && got1.len() as u64 == per_queue(2, "xdp_redirect")
@@ -205,43 +199,11 @@ fn two_queue_pairs_from_start_queue() {
     assert_eq!(s.total("bad_chains"), 0);
 }
 
-const ETH_P_IP: u16 = 0x0800;
-
-/// An IPv4/UDP frame of `len` bytes from source port `sport` (a flow of its own).
-fn udp4_frame(sport: u16, len: usize) -> Vec<u8> {
-    let mut f = vec![0u8; len];
-    f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x01]);
-    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
-    f[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
-    f[14] = 0x45;
-    f[16..18].copy_from_slice(&((len - 14) as u16).to_be_bytes());
-    f[22] = 64;
-    f[23] = 17;
-    f[26..30].copy_from_slice(&[10, 99, 5, 1]);
-    f[30..34].copy_from_slice(&[10, 99, 5, 2]);
-    f[34..36].copy_from_slice(&sport.to_be_bytes());
-    f[36..38].copy_from_slice(&9u16.to_be_bytes());
-    f[38..40].copy_from_slice(&((len - 34) as u16).to_be_bytes());
-    f
-}
-
-/// 0x88b5 test frames waiting in the guest's RX ring now.
-fn guest_recv_now_test(rx: &mut RxQueue) -> Vec<Vec<u8>> {
+/// Frames of EtherType `proto` waiting in the guest's RX ring now.
+fn guest_recv_now(rx: &mut RxQueue, proto: u16) -> Vec<Vec<u8>> {
     let mut got = Vec::new();
     rx.recv_burst(256, |fr| {
-        if fr.len() >= 14 && fr[12..14] == ETH_P_TEST.to_be_bytes() {
-            got.push(fr.to_vec())
-        }
-    })
-    .unwrap();
-    got
-}
-
-/// UDP test frames waiting in the guest's RX ring now.
-fn guest_recv_now(rx: &mut RxQueue) -> Vec<Vec<u8>> {
-    let mut got = Vec::new();
-    rx.recv_burst(256, |fr| {
-        if fr.len() >= 24 && fr[12..14] == ETH_P_IP.to_be_bytes() && fr[23] == 17 {
+        if fr.len() >= 14 && fr[12..14] == proto.to_be_bytes() {
             got.push(fr.to_vec())
         }
     })
@@ -432,7 +394,7 @@ fn an_unprivileged_vhostd_moves_traffic_through_xdp_helper_sockets() {
     let mut got = Vec::new();
     wait_until(T, || {
         for rx in [&mut rx0, &mut rx1] {
-            got.extend(guest_recv_now_test(rx));
+            got.extend(guest_recv_now(rx, ETH_P_TEST));
         }
         !got.is_empty()
     });

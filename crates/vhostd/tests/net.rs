@@ -9,7 +9,7 @@ use common::*;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 use vhostd_user::features as f;
-use vhostd_user::{Buf, Descriptor, RxQueue, TxQueue, VhostUserProtocolFeatures, VirtioUser};
+use vhostd_user::{Descriptor, RxQueue, TxQueue, VhostUserProtocolFeatures, VirtioUser};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -418,26 +418,10 @@ fn control_queue_sets_queue_pairs_and_refuses_too_many() {
     let (mut rx1, mut tx1) = dev.net_queue_pair(1, 64).unwrap();
     let mut ctrl = dev.create_queue(4, 16, None).unwrap();
     dev.start_queue(&ctrl).unwrap();
-    let req = dev.memory().alloc(64, 64).unwrap();
-    let ack = dev.memory().alloc(64, 64).unwrap();
-    let command = |dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs: u16| -> u8 {
-        let mut cmd = vec![4u8, 0];
-        cmd.extend_from_slice(&pairs.to_le_bytes());
-        assert!(dev.memory().driver_memory().write(req, &cmd));
-        assert!(dev.memory().driver_memory().write(ack, &[0xee]));
-        let before = ctrl.ring.used_idx();
-        ctrl.ring.add(&[Buf { addr: req, len: 4 }], &[Buf { addr: ack, len: 1 }], 0).unwrap();
-        ctrl.publish_and_kick().unwrap();
-        assert!(wait_until(T, || ctrl.ring.used_idx() != before));
-        while ctrl.ring.pop_used().unwrap().is_some() {}
-        let mut a = [0u8];
-        assert!(dev.memory().driver_memory().read(ack, &mut a));
-        a[0]
-    };
-    assert_eq!(command(&mut dev, &mut ctrl, 3), 1, "3 pairs > max 2: VIRTIO_NET_ERR");
-    assert_eq!(command(&mut dev, &mut ctrl, 2), 0, "VIRTIO_NET_OK");
+    assert_eq!(set_pairs(&mut dev, &mut ctrl, 3), 1, "3 pairs > max 2: VIRTIO_NET_ERR");
+    assert_eq!(set_pairs(&mut dev, &mut ctrl, 2), 0, "VIRTIO_NET_OK");
     roundtrip(&mut rx1, &mut tx1, 50, 0);
-    assert_eq!(command(&mut dev, &mut ctrl, 1), 0);
+    assert_eq!(set_pairs(&mut dev, &mut ctrl, 1), 0);
     // Pair 1 is no longer in use: nothing is delivered to its RX queue.
     for i in 0..10 {
         assert!(tx1.send_frame(&frame(i, 64)).unwrap());

@@ -13,12 +13,9 @@ use common::*;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 use vhostd_user::features as f;
-use vhostd_user::{Buf, VirtioUser};
+use vhostd_user::VirtioUser;
 
 const T: Duration = Duration::from_secs(20);
-const GUEST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
-const ETH_P_TEST: u16 = 0x88b5;
-const ETH_P_IP: u16 = 0x0800;
 
 /// A TAP name unique to this test process.
 fn tap_name(tag: &str) -> String {
@@ -35,36 +32,6 @@ fn tap_daemon(tag: &str, extra: &[&str]) -> (NetNs, String, Daemon) {
     let d = Daemon::start_in(Some(&ns), &args);
     ns.ip(&["link", "set", &tap, "up"]);
     (ns, tap, d)
-}
-
-/// An IPv4 frame to the guest: UDP from port `sport`, `len` bytes.
-fn udp4_frame(sport: u16, len: usize, seq: u32) -> Vec<u8> {
-    let mut f = vec![0u8; len];
-    f[0..6].copy_from_slice(&GUEST_MAC);
-    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
-    f[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
-    let ip_len = (len - 14) as u16;
-    f[14] = 0x45;
-    f[16..18].copy_from_slice(&ip_len.to_be_bytes());
-    f[22] = 64;
-    f[23] = 17;
-    f[26..30].copy_from_slice(&[10, 99, 4, 1]);
-    f[30..34].copy_from_slice(&[10, 99, 4, 2]);
-    let csum = ip_checksum(&f[14..34]);
-    f[24..26].copy_from_slice(&csum.to_be_bytes());
-    f[34..36].copy_from_slice(&sport.to_be_bytes());
-    f[36..38].copy_from_slice(&9u16.to_be_bytes());
-    f[38..40].copy_from_slice(&(ip_len - 20).to_be_bytes());
-    f[42..46].copy_from_slice(&seq.to_le_bytes());
-    f
-}
-
-fn ip_checksum(h: &[u8]) -> u16 {
-    let mut sum: u32 = h.chunks(2).map(|c| u16::from_be_bytes([c[0], c[1]]) as u32).sum();
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
 }
 
 /// A TCP/IPv4 frame with `payload` bytes, as a TSO sender hands it down:
@@ -253,24 +220,6 @@ fn without_offloads_the_kernel_segments_for_the_guest() {
         assert_eq!(*len, 54 + 1448);
         assert_eq!(h[..10], [0; 10], "a plain header for a guest without offloads");
     }
-}
-
-/// Sends VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET on the control queue; returns the ack.
-fn set_pairs(dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs: u16) -> u8 {
-    let req = dev.memory().alloc(64, 64).unwrap();
-    let ack = dev.memory().alloc(64, 64).unwrap();
-    let mut cmd = vec![4u8, 0];
-    cmd.extend_from_slice(&pairs.to_le_bytes());
-    assert!(dev.memory().driver_memory().write(req, &cmd));
-    assert!(dev.memory().driver_memory().write(ack, &[0xee]));
-    let before = ctrl.ring.used_idx();
-    ctrl.ring.add(&[Buf { addr: req, len: 4 }], &[Buf { addr: ack, len: 1 }], 0).unwrap();
-    ctrl.publish_and_kick().unwrap();
-    assert!(wait_until(T, || ctrl.ring.used_idx() != before));
-    while ctrl.ring.pop_used().unwrap().is_some() {}
-    let mut a = [0u8];
-    assert!(dev.memory().driver_memory().read(ack, &mut a));
-    a[0]
 }
 
 #[test]

@@ -11,7 +11,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vhostd_user::{Options, VirtioUser};
+use vhostd_user::{Buf, Options, VirtioUser};
+
+/// vhostd's default MAC: the guest side's address in the tests.
+pub const GUEST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+/// The EtherType of `frame`s.
+pub const ETH_P_TEST: u16 = 0x88b5;
+pub const ETH_P_IP: u16 = 0x0800;
 
 /// A running vhostd with its own socket directory.
 pub struct Daemon {
@@ -400,5 +406,54 @@ pub fn tempdir() -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("vhostd-it-refused-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+
+/// An IPv4 frame to the guest: UDP from port `sport`, `len` bytes.
+pub fn udp4_frame(sport: u16, len: usize, seq: u32) -> Vec<u8> {
+    let mut f = vec![0u8; len];
+    f[0..6].copy_from_slice(&GUEST_MAC);
+    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
+    f[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
+    let ip_len = (len - 14) as u16;
+    f[14] = 0x45;
+    f[16..18].copy_from_slice(&ip_len.to_be_bytes());
+    f[22] = 64;
+    f[23] = 17;
+    f[26..30].copy_from_slice(&[10, 99, 4, 1]);
+    f[30..34].copy_from_slice(&[10, 99, 4, 2]);
+    let csum = ip_checksum(&f[14..34]);
+    f[24..26].copy_from_slice(&csum.to_be_bytes());
+    f[34..36].copy_from_slice(&sport.to_be_bytes());
+    f[36..38].copy_from_slice(&9u16.to_be_bytes());
+    f[38..40].copy_from_slice(&(ip_len - 20).to_be_bytes());
+    f[42..46].copy_from_slice(&seq.to_le_bytes());
+    f
+}
+
+pub fn ip_checksum(h: &[u8]) -> u16 {
+    let mut sum: u32 = h.chunks(2).map(|c| u16::from_be_bytes([c[0], c[1]]) as u32).sum();
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Sends VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET on the control queue; returns the ack.
+pub fn set_pairs(dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs: u16) -> u8 {
+    let req = dev.memory().alloc(64, 64).unwrap();
+    let ack = dev.memory().alloc(64, 64).unwrap();
+    let mut cmd = vec![4u8, 0];
+    cmd.extend_from_slice(&pairs.to_le_bytes());
+    assert!(dev.memory().driver_memory().write(req, &cmd));
+    assert!(dev.memory().driver_memory().write(ack, &[0xee]));
+    let before = ctrl.ring.used_idx();
+    ctrl.ring.add(&[Buf { addr: req, len: 4 }], &[Buf { addr: ack, len: 1 }], 0).unwrap();
+    ctrl.publish_and_kick().unwrap();
+    assert!(wait_until(Duration::from_secs(20), || ctrl.ring.used_idx() != before));
+    while ctrl.ring.pop_used().unwrap().is_some() {}
+    let mut a = [0u8];
+    assert!(dev.memory().driver_memory().read(ack, &mut a));
+    a[0]
 }
 
