@@ -292,3 +292,33 @@ dpdk_cleanup() {
     fi
     exit "$rc"
 }
+
+# ---------------------------------------------------------------- benches
+
+# cleanup_run: stops every testpmd and vhostd of a bench run and removes
+# their files (and the run's namespace).
+cleanup_run() {
+    local n
+    for n in "${!TP_PID[@]}"; do
+        [ -n "${TP_PID[$n]}" ] && { stop_pid "${TP_PID[$n]}" 10; TP_PID[$n]=""; }
+        tp_remove_files "$n"
+    done
+    for n in "${!VH_PID[@]}"; do
+        [ -n "${VH_PID[$n]}" ] && { stop_pid "${VH_PID[$n]}" 10; VH_PID[$n]=""; }
+    done
+    rm -f "$DPDK_W/sock"
+    # A bench with a namespace per run defines ns_del.
+    if declare -F ns_del >/dev/null; then ns_del; fi
+}
+
+# stats_of VALUES...: "median min max" of the numeric values ("- - -" if none).
+stats_of() {
+    [ $# -gt 0 ] || { echo "- - -"; return; }
+    printf '%s\n' "$@" | sort -g | awk '/^[0-9.]+$/ { v[++n] = $1 } END {
+        if (n == 0) { print "- - -"; exit }
+        m = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
+        printf "%.3f %.3f %.3f\n", m, v[1], v[n] }'
+}
+
+# ratio A B: A / B to two places, "-" when either is missing or B is 0.
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.2f", a / b }'; }

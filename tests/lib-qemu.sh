@@ -43,6 +43,18 @@ trap 'exit 129' HUP
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+# fail MESSAGE: prints `FAIL $name: MESSAGE` with the ends of the guest's
+# console, QEMU's and vhostd's logs, and exits 1 (cleanup runs on exit).
+# shellcheck disable=SC2154 # name: set by the test that sources this
+fail() {
+    trap - ERR
+    echo "FAIL $name: $*"
+    echo "--- guest console"; tr -d '\r' 2>/dev/null < "$WORK/console.log" | grep -v '^\s*$' | tail -30
+    echo "--- qemu"; tail -10 "$WORK/qemu.err" 2>/dev/null
+    echo "--- vhostd"; tail -20 "$WORK/vhostd.err" 2>/dev/null; cat "$WORK/vhostd.out" 2>/dev/null
+    exit 1
+}
+
 # wait_for SECONDS COMMAND...: polls a condition, bounded.
 wait_for() {
     local deadline=$((SECONDS + $1)); shift
