@@ -4,7 +4,7 @@
 //! vhost-user or sockets.
 
 use vhostd_backends::{NetBackend, Offloads, VNET_HDR_LEN};
-use virtq::{copy_from_segs, copy_to_segs, Access, Batch, SplitQueue};
+use virtq::{copy_from_segs, copy_to_segs, Access, Batch, Queue};
 
 /// virtio-net feature bits.
 pub mod features {
@@ -187,22 +187,22 @@ pub const BURST: usize = 32;
 /// Frames from the guest's TX queue to the backend. Returns frames moved
 /// (and dropped); the caller signals the guest if `tx.needs_notify()`.
 pub fn process_tx(
-    tx: &mut SplitQueue,
+    tx: &mut Queue,
     batch: &mut Batch,
     backend: &mut dyn NetBackend,
     layout: Layout,
     stats: &mut DirStats,
 ) -> usize {
     let hdr_len = layout.hdr_len;
-    let pending = tx.pending() as usize;
+    let pending = tx.available(BURST as u16) as usize;
     if pending == 0 {
         return 0;
     }
     // Ask the backend for room first, and pop no more chains than it has.
     let bufs = backend.tx_buffers(pending.min(BURST));
-    let bad_before = tx.stats.bad_chains;
+    let bad_before = tx.stats().bad_chains;
     let popped = tx.pop_batch(batch, bufs.len(), Access::ReadOnly);
-    let rejected = (tx.stats.bad_chains - bad_before) as usize;
+    let rejected = (tx.stats().bad_chains - bad_before) as usize;
     if popped == 0 {
         backend.tx_commit(0);
         tx.flush_used();
@@ -269,7 +269,7 @@ pub fn process_tx(
 /// Frames from the backend into the guest's RX queue. Returns frames
 /// delivered or dropped; the caller signals the guest if `rx.needs_notify()`.
 pub fn process_rx(
-    rx: &mut SplitQueue,
+    rx: &mut Queue,
     batch: &mut Batch,
     backend: &mut dyn NetBackend,
     layout: Layout,
@@ -285,7 +285,7 @@ pub fn process_rx(
     if frames.is_empty() {
         return 0;
     }
-    let bad_before = rx.stats.bad_chains;
+    let bad_before = rx.stats().bad_chains;
     let done = if layout.mergeable {
         rx_mergeable(rx, batch, frames, layout.rx_offloads, stats)
     } else {
@@ -296,7 +296,7 @@ pub fn process_rx(
         stats.batches += 1;
     }
     rx.flush_used();
-    done + (rx.stats.bad_chains - bad_before) as usize
+    done + (rx.stats().bad_chains - bad_before) as usize
 }
 
 /// Writes header then frame into a chain's buffers (which have room for both).
@@ -333,7 +333,7 @@ fn header(f: &vhostd_backends::FrameBuf, offloads: bool, num_buffers: u16) -> [u
 /// One chain per frame; a frame that does not fit its chain is dropped
 /// (the chain goes back to the guest with length 0).
 fn rx_simple(
-    rx: &mut SplitQueue,
+    rx: &mut Queue,
     batch: &mut Batch,
     frames: &[vhostd_backends::FrameBuf],
     layout: Layout,
@@ -367,7 +367,7 @@ fn rx_simple(
 /// A frame may span several chains; num_buffers in the first header says
 /// how many. Chains popped but not needed go back to the ring.
 fn rx_mergeable(
-    rx: &mut SplitQueue,
+    rx: &mut Queue,
     batch: &mut Batch,
     frames: &[vhostd_backends::FrameBuf],
     offloads: bool,
@@ -501,7 +501,7 @@ impl CtrlState {
 }
 
 /// Handles the control requests in the ring. Returns the number handled.
-pub fn process_ctrl(q: &mut SplitQueue, batch: &mut Batch, state: &mut CtrlState) -> usize {
+pub fn process_ctrl(q: &mut Queue, batch: &mut Batch, state: &mut CtrlState) -> usize {
     let n = q.pop_batch(batch, BURST, Access::ReadThenWrite);
     for chain in &batch.chains {
         let mut req = [0u8; 64];

@@ -29,7 +29,8 @@ pub use memory::FrontendMemory;
 pub use net::{build_udp_frame, NetStats, RxQueue, TxQueue};
 pub use queue::VirtQueue;
 pub use vhost::vhost_user::VhostUserProtocolFeatures;
-pub use virtq::driver::{Buf, Descriptor, DriverError, RingLayout, SplitDriver, Used};
+pub use virtq::driver::{Buf, Descriptor, DriverError, DriverRing, RingLayout, SplitDriver, Used};
+pub use virtq::packed_driver::{PackedDesc, PackedDriver};
 
 use std::path::PathBuf;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
@@ -66,6 +67,10 @@ pub mod features {
     pub const PROTOCOL_FEATURES: u64 = 1 << 30;
     /// VIRTIO_F_VERSION_1
     pub const VERSION_1: u64 = 1 << 32;
+    /// VIRTIO_F_RING_PACKED
+    pub const RING_PACKED: u64 = 1 << 34;
+    /// VIRTIO_F_IN_ORDER
+    pub const IN_ORDER: u64 = 1 << 35;
 }
 
 /// Everything that can go wrong.
@@ -340,23 +345,37 @@ impl VirtioUser {
         &mut self.fe
     }
 
-    /// Allocates the rings of queue `index` (size a power of two) in guest
-    /// memory, with kick and call eventfds. Nothing is sent yet: fill it,
-    /// then `start_queue`. `indirect_max` adds an indirect-table pool.
+    /// True when the packed ring layout was negotiated.
+    pub fn packed(&self) -> bool {
+        self.features & features::RING_PACKED != 0
+    }
+
+    /// Allocates the rings of queue `index` in guest memory (split or packed,
+    /// as negotiated), with kick and call eventfds. Nothing is sent yet: fill
+    /// it, then `start_queue`. `indirect_max` adds an indirect-table pool.
+    /// Split rings need a power-of-two size; packed rings any size up to 32768.
     pub fn create_queue(
         &mut self,
         index: usize,
         size: u16,
         indirect_max: Option<u16>,
     ) -> Result<VirtQueue, Error> {
-        if size == 0 || !size.is_power_of_two() || size > virtq::ring::MAX_QUEUE_SIZE {
+        let packed = self.packed();
+        if size == 0 || size > virtq::ring::MAX_QUEUE_SIZE || (!packed && !size.is_power_of_two()) {
             return Err(Error::Config(format!(
-                "queue size {size} is not a power of two in 1..=32768"
+                "queue size {size} is not {} in 1..=32768",
+                if packed { "a size" } else { "a power of two" }
             )));
         }
-        let gpa = self.mem.alloc(RingLayout::footprint(size), 4096)?;
-        let layout = RingLayout::at(gpa, size);
-        let mut ring = SplitDriver::new(self.mem.driver_memory().clone(), layout, self.features)?;
+        let mut ring = if packed {
+            let gpa = self.mem.alloc(RingLayout::packed_footprint(size), 4096)?;
+            let layout = RingLayout::packed_at(gpa, size);
+            DriverRing::Packed(PackedDriver::new(self.mem.driver_memory().clone(), layout, self.features)?)
+        } else {
+            let gpa = self.mem.alloc(RingLayout::footprint(size), 4096)?;
+            let layout = RingLayout::at(gpa, size);
+            DriverRing::Split(SplitDriver::new(self.mem.driver_memory().clone(), layout, self.features)?)
+        };
         if let Some(max) = indirect_max {
             let pool = self.mem.alloc(size as u64 * max as u64 * 16, 64)?;
             ring.set_indirect_pool(pool, max)?;
@@ -365,7 +384,8 @@ impl VirtioUser {
     }
 
     /// SET_VRING_NUM/BASE/ADDR/KICK/CALL (and SET_VRING_ENABLE when protocol
-    /// features are on) for `q`, starting the backend at avail index `base`.
+    /// features are on) for `q`, starting the backend at vring base `base`
+    /// (split: avail index; packed: index | wrap counter << 15).
     pub fn start_queue_at(&mut self, q: &VirtQueue, base: u16) -> Result<(), Error> {
         let i = q.index();
         let l = q.ring.layout();
@@ -404,9 +424,10 @@ impl VirtioUser {
         Ok(())
     }
 
-    /// `start_queue_at` from index 0 (a fresh ring).
+    /// `start_queue_at` the start of a fresh ring (packed: index 0, wrap counter 1).
     pub fn start_queue(&mut self, q: &VirtQueue) -> Result<(), Error> {
-        self.start_queue_at(q, 0)
+        let base = if q.ring.is_packed() { 0x8000 } else { 0 };
+        self.start_queue_at(q, base)
     }
 
     /// SET_VRING_ENABLE (needs VHOST_USER_F_PROTOCOL_FEATURES).

@@ -76,6 +76,12 @@ struct NetArgs {
     /// Negotiate VIRTIO_RING_F_EVENT_IDX (when offered).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     event_idx: Switch,
+    /// Use packed virtqueues (VIRTIO_F_RING_PACKED; the backend must offer it).
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    packed: Switch,
+    /// Negotiate VIRTIO_F_IN_ORDER (when offered).
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    in_order: Switch,
     /// Pin the polling thread to this CPU.
     #[arg(long)]
     cpu: Option<usize>,
@@ -148,6 +154,13 @@ fn connect(a: &NetArgs) -> Result<VirtioUser, String> {
     }
     if a.queues > 1 {
         opts.features |= features::NET_MQ;
+    }
+    if a.packed.on() {
+        opts.features |= features::RING_PACKED;
+        opts.required |= features::RING_PACKED;
+    }
+    if a.in_order.on() {
+        opts.features |= features::IN_ORDER;
     }
     let deadline = Instant::now() + Duration::from_secs_f64(a.connect_timeout);
     loop {

@@ -5,7 +5,7 @@ use crate::Error;
 use std::io;
 use std::os::unix::io::AsRawFd;
 use std::time::Duration;
-use virtq::driver::SplitDriver;
+use virtq::driver::DriverRing;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// A virtqueue: ring, kick eventfd (we write, the backend waits) and call
@@ -14,7 +14,7 @@ pub struct VirtQueue {
     index: usize,
     /// The driver side of the ring; its raw accessors let tests write
     /// arbitrary descriptors and indexes.
-    pub ring: SplitDriver,
+    pub ring: DriverRing,
     kick: EventFd,
     call: EventFd,
     /// Kicks actually sent.
@@ -23,7 +23,7 @@ pub struct VirtQueue {
 
 impl VirtQueue {
     /// Wraps `ring` as queue `index` with fresh non-blocking eventfds.
-    pub fn new(index: usize, ring: SplitDriver) -> Result<VirtQueue, Error> {
+    pub fn new(index: usize, ring: DriverRing) -> Result<VirtQueue, Error> {
         Ok(VirtQueue {
             index,
             ring,

@@ -402,7 +402,7 @@ fn hostile_used_entries_are_errors_not_panics() {
     let (mut rx, _tx) = dev.net_queue_pair(0, 16).unwrap();
     // Stop the backend so only we touch the rings from here on.
     dev.get_vring_base(0).unwrap();
-    let (_, _, used) = rx.queue.ring.ring_ptrs();
+    let (_, _, used) = rx.queue.ring.split().unwrap().ring_ptrs();
     // SAFETY (the closure's unsafe block): callers pass slot < 16, so every
     // offset stays inside the 16-entry used ring, which is 4-aligned.
     let put = |slot: usize, id: u32, len: u32, idx: u16| unsafe {
@@ -417,7 +417,7 @@ fn hostile_used_entries_are_errors_not_panics() {
     // num_buffers 0 in the header: bad.
     dev.memory()
         .driver_memory()
-        .write(rx.queue.ring.read_desc(1).addr, &[0u8; 12]);
+        .write(rx.queue.ring.split().unwrap().read_desc(1).addr, &[0u8; 12]);
     put(1, 1, 20, 2);
     assert_eq!(rx.recv_burst(16, |_| panic!("no frame")).unwrap(), 0);
     assert_eq!(rx.stats.bad, 2);

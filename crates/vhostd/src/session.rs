@@ -12,7 +12,7 @@ use vhost::vhost_user::{Backend, GpuBackend, VhostUserBackendReqHandlerMut};
 use vhost::vhost_user::{Error as VuError, Result as VuResult};
 use vhostd_net::{CtrlState, NetConfig, STATUS_LINK_UP};
 use virtq::ring::features as ring_features;
-use virtq::{AddrSpace, GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
+use virtq::{AddrSpace, GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, SplitConfig, SplitQueue};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::worker::{Shared, Slot, WorkerHandle};
@@ -46,6 +46,7 @@ impl Device {
             | ring_features::IN_ORDER
             | ring_features::EVENT_IDX
             | ring_features::INDIRECT_DESC
+            | ring_features::RING_PACKED
             | vhostd_net::DEVICE_FEATURES
             | self.offload_features
             | PROTOCOL_FEATURES
@@ -78,7 +79,8 @@ struct Vring {
     avail: u64,
     used: u64,
     addr_set: bool,
-    base: u16,
+    /// SET_VRING_BASE as sent (packed rings use all 32 bits).
+    base: u32,
     kick: Option<EventFd>,
     /// SET_VRING_KICK arrived (with or without an fd): the ring is started.
     started: bool,
@@ -86,7 +88,7 @@ struct Vring {
     err: Option<EventFd>,
     enabled: bool,
     /// A started ring that is not running (disabled) keeps its state here.
-    parked: Option<SplitQueue>,
+    parked: Option<Queue>,
     running: bool,
 }
 
@@ -181,7 +183,7 @@ impl Session {
         }
         if let Some((q, kick, call)) = self.dev.workers[w].detach(slot) {
             let v = &mut self.vrings[i];
-            v.base = q.next_avail();
+            v.base = q.vring_base();
             v.parked = Some(q);
             v.kick = kick;
             v.call = call;
@@ -200,15 +202,30 @@ impl Session {
             Some(q) => q,
             None => {
                 let v = &self.vrings[i];
-                let cfg = SplitConfig {
-                    size: v.num,
-                    desc: v.desc,
-                    avail: v.avail,
-                    used: v.used,
-                    features: self.features,
-                    next_avail: v.base,
+                let made = if self.features & ring_features::RING_PACKED != 0 {
+                    let cfg = PackedConfig {
+                        size: v.num,
+                        desc: v.desc,
+                        driver: v.avail,
+                        device: v.used,
+                        features: self.features,
+                        base: v.base,
+                    };
+                    PackedQueue::new(self.mem.clone(), cfg, AddrSpace::FrontendVirtual).map(Queue::Packed)
+                } else if v.base > u16::MAX as u32 {
+                    Err(virtq::SetupError::BadBase)
+                } else {
+                    let cfg = SplitConfig {
+                        size: v.num,
+                        desc: v.desc,
+                        avail: v.avail,
+                        used: v.used,
+                        features: self.features,
+                        next_avail: v.base as u16,
+                    };
+                    SplitQueue::new(self.mem.clone(), cfg, AddrSpace::FrontendVirtual).map(Queue::Split)
                 };
-                SplitQueue::new(self.mem.clone(), cfg, AddrSpace::FrontendVirtual).map_err(|e| {
+                made.map_err(|e| {
                     tracing::warn!(ring = i, "cannot start ring: {e}");
                     VuError::InvalidParam
                 })?
@@ -267,7 +284,7 @@ impl Session {
                     Err(e) => {
                         // The ring now points outside memory: it stays stopped.
                         tracing::warn!("ring dropped after memory change: {e}");
-                        v.base = q.next_avail();
+                        v.base = q.vring_base();
                         v.started = false;
                     }
                 }
@@ -352,7 +369,12 @@ impl VhostUserBackendReqHandlerMut for Session {
             return Err(err("SET_FEATURES with features we did not offer"));
         }
         self.features = features;
-        tracing::debug!("features acked: {features:#x}");
+        tracing::info!(
+            "features acked: {features:#x} ({} ring{}{})",
+            if features & ring_features::RING_PACKED != 0 { "packed" } else { "split" },
+            if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
+            if features & vhostd_net::features::MRG_RXBUF != 0 { ", mergeable rx" } else { "" },
+        );
         let offloads = features & vhostd_net::features::GUEST_OFFLOADS;
         if let Ok(mut c) = self.dev.shared.ctrl.lock() {
             c.offloads_allowed = offloads;
@@ -414,12 +436,11 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
-        if base > u16::MAX as u32 {
-            return Err(err("SET_VRING_BASE beyond 16 bits on a split ring"));
-        }
+        // Bits 16-31 only mean something on a packed ring (used position);
+        // a split ring with them set is refused when it starts.
         self.check_index(index)?;
         self.with_ring_stopped(index as usize, |v| {
-            v.base = base as u16;
+            v.base = base;
             v.parked = None;
         })
     }
@@ -430,14 +451,14 @@ impl VhostUserBackendReqHandlerMut for Session {
         self.stop_ring(i);
         let v = &mut self.vrings[i];
         let base = match v.parked.take() {
-            Some(q) => q.next_avail(),
+            Some(q) => q.vring_base(),
             None => v.base,
         };
         // The ring is stopped until the next SET_VRING_KICK.
         v.base = base;
         v.started = false;
         v.kick = None;
-        Ok(VhostUserVringState::new(index, base as u32))
+        Ok(VhostUserVringState::new(index, base))
     }
 
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 
 use vhostd_backends::NetBackend;
 use vhostd_net::{process_ctrl, process_rx, process_tx, CtrlState, DirStats, Layout};
-use virtq::{Batch, QueueStats, SplitQueue};
+use virtq::{Batch, Queue, QueueStats};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -36,7 +36,7 @@ impl Slot {
 }
 
 /// A ring handed back by a worker: its state, kick and call eventfds.
-pub type Returned = (SplitQueue, Option<EventFd>, Option<EventFd>);
+pub type Returned = (Queue, Option<EventFd>, Option<EventFd>);
 
 /// What the control thread asks of a worker. Every command is answered on
 /// its reply channel, so the control thread knows the worker has acted.
@@ -44,7 +44,7 @@ pub enum Cmd {
     /// Start processing a ring.
     Attach {
         slot: Slot,
-        queue: Box<SplitQueue>,
+        queue: Box<Queue>,
         kick: Option<EventFd>,
         call: Option<EventFd>,
         err: Option<EventFd>,
@@ -128,7 +128,7 @@ impl WorkerHandle {
     pub fn attach(
         &self,
         slot: Slot,
-        queue: SplitQueue,
+        queue: Queue,
         kick: Option<EventFd>,
         call: Option<EventFd>,
         err: Option<EventFd>,
@@ -167,7 +167,7 @@ impl WorkerHandle {
 }
 
 struct Ring {
-    queue: Option<SplitQueue>,
+    queue: Option<Queue>,
     kick: Option<EventFd>,
     call: Option<EventFd>,
     err: Option<EventFd>,
@@ -387,7 +387,7 @@ impl Worker {
         for (i, ring) in self.rings.iter().enumerate() {
             r.rings[i] = ring.report;
             if let Some(q) = &ring.queue {
-                r.rings[i].queue = add_queue_stats(ring.report.queue, q.stats);
+                r.rings[i].queue = add_queue_stats(ring.report.queue, *q.stats());
             }
         }
         r.idle_iters = self.idle_iters;
@@ -431,8 +431,8 @@ impl Worker {
                         );
                     }
                     let out = ring.queue.take().map(|mut q| {
-                        ring.report.queue = add_queue_stats(ring.report.queue, q.stats);
-                        q.stats = QueueStats::default();
+                        ring.report.queue = add_queue_stats(ring.report.queue, *q.stats());
+                        *q.stats_mut() = QueueStats::default();
                         (q, ring.kick.take(), ring.call.take())
                     });
                     ring.err = None;

@@ -304,7 +304,7 @@ fn raw_pair(d: &Daemon, queues: u16) -> RawPair {
 impl RawPair {
     /// Makes descriptor `i` available as a chain head and kicks.
     fn post(&mut self, heads: &[u16]) {
-        let ring = &mut self.txq.ring;
+        let ring = self.txq.ring.split().unwrap();
         let mut idx = ring.avail_idx();
         for &h in heads {
             ring.write_avail_ring(idx % ring.size(), h);
@@ -321,7 +321,7 @@ impl RawPair {
         let mut data = vec![0u8; 12];
         data.extend_from_slice(&fr);
         assert!(self.dev.memory().driver_memory().write(gpa, &data));
-        self.txq.ring.write_desc(i, Descriptor { addr: gpa, len: data.len() as u32, flags: 0, next: 0 });
+        self.txq.ring.split().unwrap().write_desc(i, Descriptor { addr: gpa, len: data.len() as u32, flags: 0, next: 0 });
         fr
     }
 
@@ -338,18 +338,18 @@ fn bad_chains_are_completed_empty_counted_and_the_queue_keeps_serving() {
     let mem_end = p.dev.memory().size();
     // 0: outside memory; 1: straddles the end; 2: device-writable on TX;
     // 3 -> 4 -> 3: a loop; 5: next past the queue; then a good one.
-    p.txq.ring.write_desc(0, Descriptor { addr: 1 << 40, len: 100, flags: 0, next: 0 });
-    p.txq.ring.write_desc(1, Descriptor { addr: mem_end - 50, len: 100, flags: 0, next: 0 });
+    p.txq.ring.split().unwrap().write_desc(0, Descriptor { addr: 1 << 40, len: 100, flags: 0, next: 0 });
+    p.txq.ring.split().unwrap().write_desc(1, Descriptor { addr: mem_end - 50, len: 100, flags: 0, next: 0 });
     let g = p.buf;
-    p.txq.ring.write_desc(2, Descriptor { addr: g, len: 100, flags: 2, next: 0 });
-    p.txq.ring.write_desc(3, Descriptor { addr: g, len: 50, flags: 1, next: 4 });
-    p.txq.ring.write_desc(4, Descriptor { addr: g, len: 50, flags: 1, next: 3 });
-    p.txq.ring.write_desc(5, Descriptor { addr: g, len: 50, flags: 1, next: 64 });
+    p.txq.ring.split().unwrap().write_desc(2, Descriptor { addr: g, len: 100, flags: 2, next: 0 });
+    p.txq.ring.split().unwrap().write_desc(3, Descriptor { addr: g, len: 50, flags: 1, next: 4 });
+    p.txq.ring.split().unwrap().write_desc(4, Descriptor { addr: g, len: 50, flags: 1, next: 3 });
+    p.txq.ring.split().unwrap().write_desc(5, Descriptor { addr: g, len: 50, flags: 1, next: 64 });
     let good = p.good_desc(6, 7);
     p.post(&[0, 1, 2, 3, 5, 6]);
-    assert!(wait_until(T, || p.txq.ring.used_idx() == 6), "every chain completed");
+    assert!(wait_until(T, || p.txq.ring.split().unwrap().used_idx() == 6), "every chain completed");
     for slot in 0..6 {
-        let (id, len) = p.txq.ring.read_used_ring(slot);
+        let (id, len) = p.txq.ring.split().unwrap().read_used_ring(slot);
         assert_eq!(len, 0, "TX used length is 0 (slot {slot}, head {id})");
     }
     let mut got = Vec::new();
@@ -371,9 +371,9 @@ fn a_short_virtio_net_header_is_dropped_and_counted() {
     let d = Daemon::start(&["--backend", "loopback"]);
     let mut p = raw_pair(&d, 1);
     let g = p.buf;
-    p.txq.ring.write_desc(0, Descriptor { addr: g, len: 8, flags: 0, next: 0 });
+    p.txq.ring.split().unwrap().write_desc(0, Descriptor { addr: g, len: 8, flags: 0, next: 0 });
     p.post(&[0]);
-    assert!(wait_until(T, || p.txq.ring.used_idx() == 1));
+    assert!(wait_until(T, || p.txq.ring.split().unwrap().used_idx() == 1));
     drop(p);
     let s = d.stop();
     assert_eq!(s.queue(1, "dropped"), 1);
@@ -385,8 +385,8 @@ fn avail_index_running_ahead_marks_the_device_needs_reset_and_others_keep_workin
     let d = Daemon::start(&["--backend", "loopback"]);
     let mut p = raw_pair(&d, 1);
     assert_eq!(p.status() & 0x40, 0);
-    let idx = p.txq.ring.avail_idx();
-    p.txq.ring.set_avail_idx(idx.wrapping_add(65 + 64));
+    let idx = p.txq.ring.split().unwrap().avail_idx();
+    p.txq.ring.split().unwrap().set_avail_idx(idx.wrapping_add(65 + 64));
     p.txq.kick().unwrap();
     assert!(wait_until(T, || p.status() & 0x40 != 0), "GET_STATUS reports NEEDS_RESET");
     drop(p);

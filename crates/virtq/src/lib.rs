@@ -1,5 +1,5 @@
 //! virtq: the device side (and a driver side for tests and the frontend) of
-//! virtio split virtqueues living in shared guest memory.
+//! virtio split and packed virtqueues living in shared guest memory.
 //!
 //! This is the hot path of vhostd, written here rather than taken from
 //! `virtio-queue` (see `split.rs` for why). It knows nothing of vhost-user,
@@ -7,10 +7,15 @@
 
 pub mod driver;
 pub mod memory;
+pub mod packed;
+pub mod packed_driver;
+pub mod queue;
 pub mod ring;
 pub mod split;
 
 pub use memory::{GuestMemory, Mapping, MemoryError, Region};
+pub use packed::{PackedConfig, PackedQueue, PACKED_BASE_INITIAL};
+pub use queue::Queue;
 pub use split::{
     copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, ChainError, QueueStats, Seg,
     SetupError, SplitConfig, SplitQueue,

@@ -1,5 +1,5 @@
-//! Split-ring layout constants shared by the device and driver sides
-//! (virtio 1.2, section 2.7).
+//! Ring layout constants shared by the device and driver sides
+//! (virtio 1.2, sections 2.7 split and 2.8 packed).
 
 /// Feature bits this crate understands.
 pub mod features {
@@ -11,6 +11,8 @@ pub mod features {
     pub const VERSION_1: u64 = 1 << 32;
     /// VIRTIO_F_IN_ORDER: buffers are used in the order they were made available.
     pub const IN_ORDER: u64 = 1 << 35;
+    /// VIRTIO_F_RING_PACKED
+    pub const RING_PACKED: u64 = 1 << 34;
 }
 
 /// Descriptor flag: the chain continues in `next`.
@@ -23,6 +25,17 @@ pub const VRING_DESC_F_INDIRECT: u16 = 4;
 pub const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
 /// used.flags: the device asks for no kick (only meaningful without EVENT_IDX).
 pub const VRING_USED_F_NO_NOTIFY: u16 = 1;
+
+/// Packed ring descriptor flag: available when equal to the driver's wrap counter.
+pub const VRING_PACKED_DESC_F_AVAIL: u16 = 1 << 7;
+/// Packed ring descriptor flag: used when equal to the device's wrap counter.
+pub const VRING_PACKED_DESC_F_USED: u16 = 1 << 15;
+/// Packed event suppression: events enabled.
+pub const RING_EVENT_FLAGS_ENABLE: u16 = 0;
+/// Packed event suppression: events disabled.
+pub const RING_EVENT_FLAGS_DISABLE: u16 = 1;
+/// Packed event suppression: an event only for the descriptor at off_wrap (EVENT_IDX).
+pub const RING_EVENT_FLAGS_DESC: u16 = 2;
 
 /// Size in bytes of one descriptor.
 pub const DESC_SIZE: u64 = 16;

@@ -31,9 +31,9 @@ pub struct Seg {
 pub struct Chain {
     /// Head descriptor index: what goes back in the used ring.
     pub head: u16,
-    seg_start: u32,
-    n_read: u16,
-    n_write: u16,
+    pub(crate) seg_start: u32,
+    pub(crate) n_read: u16,
+    pub(crate) n_write: u16,
     /// Total device-readable bytes.
     pub read_len: u32,
     /// Total device-writable bytes.
@@ -46,7 +46,7 @@ pub struct Chain {
 pub struct Batch {
     /// The chains, in avail order.
     pub chains: Vec<Chain>,
-    segs: Vec<Seg>,
+    pub(crate) segs: Vec<Seg>,
     /// The batch ended before a bad chain (which the next batch starts with).
     pub ended_before_bad: bool,
 }
@@ -147,7 +147,7 @@ pub struct QueueStats {
 }
 
 impl QueueStats {
-    fn count(&mut self, e: ChainError) {
+    pub(crate) fn count(&mut self, e: ChainError) {
         self.bad_chains += 1;
         match e {
             ChainError::IndexOutOfRange => self.bad_index += 1,
@@ -185,8 +185,11 @@ pub enum SetupError {
     NotMapped,
     /// A ring address not aligned as the spec requires.
     Misaligned,
-    /// The used ring overlaps the descriptor table or the available ring.
+    /// The used ring overlaps the descriptor table or the available ring
+    /// (packed: the device area overlaps the descriptor ring or driver area).
     Overlap,
+    /// A packed ring's vring base names an index past the queue size.
+    BadBase,
 }
 
 impl std::fmt::Display for SetupError {
@@ -196,6 +199,7 @@ impl std::fmt::Display for SetupError {
             SetupError::NotMapped => "a ring is not inside the memory table",
             SetupError::Misaligned => "a ring address is misaligned",
             SetupError::Overlap => "the used ring overlaps another ring",
+            SetupError::BadBase => "the ring base index is past the queue size",
         };
         f.write_str(s)
     }

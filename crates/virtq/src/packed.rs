@@ -1,0 +1,621 @@
+//! Device side of a packed virtqueue (virtio 1.2, section 2.8).
+//!
+//! One descriptor ring shared both ways: the driver marks descriptors
+//! available by setting AVAIL = its wrap counter and USED = its inverse; the
+//! device writes one used descriptor per chain (AVAIL = USED = its wrap
+//! counter) over the chain's first slot and skips the rest. Two 4-byte event
+//! suppression areas replace the split ring's flags and event indexes.
+//!
+//! Batching: used descriptors of a batch are written with their flags
+//! straight away except the first one; `publish_used` stores that first flag
+//! word last, so the driver, which only ever polls the next slot, sees the
+//! whole batch at once (one publishing store per batch, as with used.idx).
+//!
+//! Chains must be completed in the order they were popped (every device path
+//! here does): the queue remembers each popped chain's descriptor count in a
+//! FIFO, which is what a used descriptor skips. The driver's buffer ids are
+//! only echoed back, never used as indexes.
+//!
+//! Everything read from the ring is hostile, as in `split.rs`: a bad chain is
+//! completed with length 0 and counted; a chain whose later descriptors are
+//! not available, or that is longer than the ring, leaves no way to find
+//! where the next chain starts, so it marks the queue broken.
+
+use crate::memory::GuestMemory;
+use crate::ring::*;
+use crate::split::{Access, AddrSpace, Batch, Chain, ChainError, QueueStats, Seg, SetupError};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+
+/// Where a packed ring lives and where processing resumes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PackedConfig {
+    /// Queue size (1..=32768, not necessarily a power of two).
+    pub size: u16,
+    /// Descriptor ring address (SET_VRING_ADDR's descriptor address).
+    pub desc: u64,
+    /// Driver event suppression area (SET_VRING_ADDR's avail address).
+    pub driver: u64,
+    /// Device event suppression area (SET_VRING_ADDR's used address).
+    pub device: u64,
+    /// Negotiated device features (INDIRECT_DESC and EVENT_IDX matter here).
+    pub features: u64,
+    /// The vhost-user vring base: bits 0-14 next avail index, bit 15 avail
+    /// wrap counter, bits 16-30 used index, bit 31 used wrap counter. When
+    /// bits 16-31 are zero the used position equals the avail position (a
+    /// frontend that only knows the avail half; nothing in flight).
+    pub base: u32,
+}
+
+/// Initial vring base of a fresh packed ring: index 0, wrap counters 1.
+pub const PACKED_BASE_INITIAL: u32 = 0x8000_8000;
+
+/// A ring position: slot index and the wrap counter that goes with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pos {
+    idx: u16,
+    wrap: bool,
+}
+
+impl Pos {
+    #[inline]
+    fn advance(self, n: u16, size: u16) -> Pos {
+        let i = self.idx as u32 + n as u32;
+        if i >= size as u32 {
+            Pos { idx: (i - size as u32) as u16, wrap: !self.wrap }
+        } else {
+            Pos { idx: i as u16, wrap: self.wrap }
+        }
+    }
+
+    /// Position as a counter modulo 2 * size (what event offsets compare in).
+    #[inline]
+    fn linear(self, size: u16) -> u32 {
+        self.idx as u32 + if self.wrap { 0 } else { size as u32 }
+    }
+
+    /// The 16-bit encoding of the vring base and event offsets.
+    #[inline]
+    fn encode(self) -> u16 {
+        self.idx | ((self.wrap as u16) << 15)
+    }
+
+    fn decode(v: u16) -> Pos {
+        Pos { idx: v & 0x7fff, wrap: v & 0x8000 != 0 }
+    }
+}
+
+/// A popped chain not yet used: where it starts and how many ring slots it takes.
+#[derive(Clone, Copy, Debug, Default)]
+struct Popped {
+    start: u16,
+    start_wrap: bool,
+    ndesc: u16,
+}
+
+/// The device side of one packed virtqueue.
+pub struct PackedQueue {
+    mem: Arc<GuestMemory>,
+    cfg: PackedConfig,
+    space: AddrSpace,
+    size: u16,
+    ring: *mut u8,
+    driver_evt: *const u8,
+    device_evt: *mut u8,
+    event_idx: bool,
+    indirect: bool,
+    next_avail: Pos,
+    next_used: Pos,
+    /// Popped, not yet used chains, oldest first (a ring of `size` entries).
+    popped: Vec<Popped>,
+    popped_head: usize,
+    popped_len: usize,
+    /// The first used descriptor of the unpublished batch and its flags.
+    pending_first: Option<(u16, u16)>,
+    /// next_used as of the last notify decision.
+    signalled_used: Pos,
+    signalled_valid: bool,
+    notifications_disabled: bool,
+    region_hint: usize,
+    broken: bool,
+    /// Counters.
+    pub stats: QueueStats,
+}
+
+// SAFETY: the ring pointers point into `mem`, which the queue keeps alive;
+// the queue is owned by one thread at a time.
+unsafe impl Send for PackedQueue {}
+
+const EVT_OFF_WRAP: usize = 0;
+const EVT_FLAGS: usize = 2;
+const DESC_LEN: usize = 8;
+const DESC_ID: usize = 12;
+const DESC_FLAGS: usize = 14;
+
+#[derive(Clone, Copy)]
+struct PDesc {
+    addr: u64,
+    len: u32,
+    id: u16,
+    flags: u16,
+}
+
+/// How a chain walk ended.
+enum Walk {
+    /// The chain (or its error) and how many ring slots it spans.
+    Done(Result<Chain, ChainError>, u16, u16),
+    /// The ring is corrupt: no way to find the next chain.
+    Broken(ChainError),
+}
+
+impl PackedQueue {
+    /// Sets up a ring: checks the size and alignment, translates the
+    /// descriptor ring and both event areas once, positions from `cfg.base`.
+    pub fn new(mem: Arc<GuestMemory>, cfg: PackedConfig, space: AddrSpace) -> Result<PackedQueue, SetupError> {
+        let n = cfg.size;
+        if n == 0 || n > MAX_QUEUE_SIZE {
+            return Err(SetupError::BadSize);
+        }
+        if !cfg.desc.is_multiple_of(16) || !cfg.driver.is_multiple_of(4) || !cfg.device.is_multiple_of(4) {
+            return Err(SetupError::Misaligned);
+        }
+        let dlen = desc_table_size(n);
+        let overlaps = |a: u64, al: u64, b: u64, bl: u64| a < b.saturating_add(bl) && b < a.saturating_add(al);
+        if overlaps(cfg.device, 4, cfg.desc, dlen) || overlaps(cfg.device, 4, cfg.driver, 4) {
+            return Err(SetupError::Overlap);
+        }
+        let avail = Pos::decode(cfg.base as u16);
+        let used = if cfg.base >> 16 == 0 { avail } else { Pos::decode((cfg.base >> 16) as u16) };
+        if avail.idx >= n || used.idx >= n {
+            return Err(SetupError::BadBase);
+        }
+        let tr = |addr: u64, len: u64| -> Option<*mut u8> {
+            match space {
+                AddrSpace::FrontendVirtual => mem.translate_uaddr(addr, len),
+                AddrSpace::GuestPhysical => mem.translate(addr, len, &mut 0),
+            }
+        };
+        let ring = tr(cfg.desc, dlen).ok_or(SetupError::NotMapped)?;
+        let driver_evt = tr(cfg.driver, 4).ok_or(SetupError::NotMapped)?;
+        let device_evt = tr(cfg.device, 4).ok_or(SetupError::NotMapped)?;
+        Ok(PackedQueue {
+            mem,
+            cfg,
+            space,
+            size: n,
+            ring,
+            driver_evt,
+            device_evt,
+            event_idx: cfg.features & features::EVENT_IDX != 0,
+            indirect: cfg.features & features::INDIRECT_DESC != 0,
+            next_avail: avail,
+            next_used: used,
+            popped: vec![Popped::default(); n as usize],
+            popped_head: 0,
+            popped_len: 0,
+            pending_first: None,
+            signalled_used: used,
+            signalled_valid: false,
+            notifications_disabled: false,
+            region_hint: 0,
+            broken: false,
+            stats: QueueStats::default(),
+        })
+    }
+
+    /// The same ring over a new memory table, keeping position and counters.
+    /// Call with nothing popped and unused (the ring is stopped).
+    pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<PackedQueue, SetupError> {
+        let mut cfg = self.cfg;
+        cfg.base = self.vring_base();
+        let mut q = PackedQueue::new(mem, cfg, self.space)?;
+        q.stats = self.stats;
+        q.broken = self.broken;
+        Ok(q)
+    }
+
+    /// Queue size.
+    pub fn size(&self) -> u16 {
+        self.size
+    }
+
+    /// The memory table this ring reads.
+    pub fn memory(&self) -> &Arc<GuestMemory> {
+        &self.mem
+    }
+
+    /// What GET_VRING_BASE returns: next avail index and wrap counter in the
+    /// low half, next used index and wrap counter in the high half.
+    pub fn vring_base(&self) -> u32 {
+        self.next_avail.encode() as u32 | (self.next_used.encode() as u32) << 16
+    }
+
+    /// True once the driver broke the ring (the device should ask for reset).
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    #[inline]
+    fn read_u16(base: *const u8, off: usize) -> u16 {
+        // SAFETY: every caller passes a base translated at set-up with its full
+        // length and an offset inside it; the fields are 2-aligned because
+        // the bases were checked for alignment (16 for the ring, 4 for the areas).
+        u16::from_le(unsafe { std::ptr::read_volatile(base.add(off) as *const u16) })
+    }
+
+    #[inline]
+    fn write_u16(base: *mut u8, off: usize, v: u16) {
+        // SAFETY: as read_u16.
+        unsafe { std::ptr::write_volatile(base.add(off) as *mut u16, v.to_le()) }
+    }
+
+    #[inline]
+    fn slot_flags(&self, idx: u16) -> u16 {
+        Self::read_u16(self.ring, idx as usize * 16 + DESC_FLAGS)
+    }
+
+    #[inline]
+    fn is_avail(flags: u16, wrap: bool) -> bool {
+        let a = flags & VRING_PACKED_DESC_F_AVAIL != 0;
+        let u = flags & VRING_PACKED_DESC_F_USED != 0;
+        a == wrap && u != wrap
+    }
+
+    #[inline]
+    fn read_desc(table: *const u8, i: u16) -> PDesc {
+        // SAFETY: callers check i against the table's entry count, and the
+        // table was translated with its full length.
+        let raw = unsafe { std::ptr::read_volatile(table.add(i as usize * 16) as *const [u8; 16]) };
+        PDesc {
+            addr: u64::from_le_bytes(raw[0..8].try_into().unwrap_or_default()),
+            len: u32::from_le_bytes(raw[8..12].try_into().unwrap_or_default()),
+            id: u16::from_le_bytes([raw[12], raw[13]]),
+            flags: u16::from_le_bytes([raw[14], raw[15]]),
+        }
+    }
+
+    /// Counts available chains, up to `want`, by looking at flags only.
+    pub fn available(&mut self, want: u16) -> u16 {
+        if self.broken {
+            return 0;
+        }
+        let mut pos = self.next_avail;
+        let mut chains = 0;
+        let mut seen = 0u16;
+        while chains < want && seen < self.size {
+            let f = self.slot_flags(pos.idx);
+            if !Self::is_avail(f, pos.wrap) {
+                break;
+            }
+            seen += 1;
+            if f & VRING_DESC_F_NEXT == 0 {
+                chains += 1;
+            }
+            pos = pos.advance(1, self.size);
+        }
+        chains
+    }
+
+    /// Pops up to `max` chains into `batch` (cleared first). Bad chains are
+    /// completed with length 0, counted and not returned; like the split
+    /// ring, a bad chain after good ones ends the batch and is handled first
+    /// in the next. Returns the number of chains in `batch`.
+    pub fn pop_batch(&mut self, batch: &mut Batch, max: usize, access: Access) -> usize {
+        batch.clear();
+        if self.broken {
+            return 0;
+        }
+        // At most `size` chains can be popped and not yet used.
+        while batch.chains.len() < max && self.popped_len < self.popped.len() {
+            let pos = self.next_avail;
+            let flags = self.slot_flags(pos.idx);
+            if !Self::is_avail(flags, pos.wrap) {
+                break;
+            }
+            // Read the descriptor only after seeing its flags.
+            fence(Ordering::Acquire);
+            let seg_start = batch.segs.len();
+            let d = Self::read_desc(self.ring, pos.idx);
+            // Fast path: one direct descriptor in one region.
+            if d.flags & (VRING_DESC_F_NEXT | VRING_DESC_F_INDIRECT) == 0 && d.len != 0 {
+                let write = d.flags & VRING_DESC_F_WRITE != 0;
+                let direction_ok = match access {
+                    Access::ReadOnly => !write,
+                    Access::WriteOnly => write,
+                    Access::ReadThenWrite => true,
+                };
+                if direction_ok {
+                    if let Some(addr) = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint) {
+                        batch.segs.push(Seg { addr, len: d.len });
+                        let (n_read, n_write) = if write { (0, 1) } else { (1, 0) };
+                        batch.chains.push(Chain {
+                            head: d.id,
+                            seg_start: seg_start as u32,
+                            n_read,
+                            n_write,
+                            read_len: if write { 0 } else { d.len },
+                            write_len: if write { d.len } else { 0 },
+                        });
+                        self.push_popped(pos, 1);
+                        self.next_avail = pos.advance(1, self.size);
+                        continue;
+                    }
+                }
+            }
+            match self.walk_chain(pos, batch, access) {
+                Walk::Broken(e) => {
+                    batch.segs.truncate(seg_start);
+                    self.stats.count(e);
+                    self.broken = true;
+                    break;
+                }
+                Walk::Done(Ok(mut chain), ndesc, _) => {
+                    chain.seg_start = seg_start as u32;
+                    batch.chains.push(chain);
+                    self.push_popped(pos, ndesc);
+                    self.next_avail = pos.advance(ndesc, self.size);
+                }
+                Walk::Done(Err(_), _, _) if !batch.chains.is_empty() || self.popped_len != 0 => {
+                    // Used descriptors go out in pop order: complete this one
+                    // when everything before it is used (next batch).
+                    batch.segs.truncate(seg_start);
+                    batch.ended_before_bad = true;
+                    break;
+                }
+                Walk::Done(Err(e), ndesc, id) => {
+                    batch.segs.truncate(seg_start);
+                    self.stats.count(e);
+                    self.push_popped(pos, ndesc);
+                    self.next_avail = pos.advance(ndesc, self.size);
+                    self.add_used(id, 0);
+                }
+            }
+        }
+        if !batch.chains.is_empty() {
+            self.stats.chains += batch.chains.len() as u64;
+            self.stats.batches += 1;
+        }
+        batch.chains.len()
+    }
+
+    #[inline]
+    fn push_popped(&mut self, start: Pos, ndesc: u16) {
+        let n = self.popped.len();
+        let i = (self.popped_head + self.popped_len) % n;
+        self.popped[i] = Popped { start: start.idx, start_wrap: start.wrap, ndesc };
+        self.popped_len += 1;
+    }
+
+    /// Walks the chain starting at `start` (whose flags showed it available),
+    /// appending segments to `batch.segs`. After an error it keeps walking
+    /// (without collecting) to find where the chain ends.
+    fn walk_chain(&mut self, start: Pos, batch: &mut Batch, access: Access) -> Walk {
+        let mut chain = Chain::default();
+        let mut result: Result<(), ChainError> = Ok(());
+        let (mut read_len, mut write_len) = (0u64, 0u64);
+        let mut pos = start;
+        let mut n = 0u16;
+        loop {
+            if n == self.size {
+                // Every slot carries NEXT: a chain longer than the ring.
+                return Walk::Broken(ChainError::TooLong);
+            }
+            let d = Self::read_desc(self.ring, pos.idx);
+            if n > 0 && !Self::is_avail(d.flags, pos.wrap) {
+                // The driver makes a chain's first descriptor available last;
+                // a later one that is not available means a corrupt ring.
+                return Walk::Broken(ChainError::IndexOutOfRange);
+            }
+            n += 1;
+            if result.is_ok() {
+                result = self.take_desc(&d, n == 1, &mut chain, &mut read_len, &mut write_len, batch, access);
+            }
+            if d.flags & VRING_DESC_F_NEXT == 0 {
+                let id = d.id;
+                let r = result.and_then(|_| {
+                    if read_len > u32::MAX as u64 || write_len > u32::MAX as u64 {
+                        return Err(ChainError::TooBig);
+                    }
+                    chain.head = id;
+                    chain.read_len = read_len as u32;
+                    chain.write_len = write_len as u32;
+                    Ok(chain)
+                });
+                return Walk::Done(r, n, id);
+            }
+            pos = pos.advance(1, self.size);
+        }
+    }
+
+    /// Adds one ring descriptor (direct or an indirect table) to `chain`.
+    #[allow(clippy::too_many_arguments)]
+    fn take_desc(
+        &mut self,
+        d: &PDesc,
+        first: bool,
+        chain: &mut Chain,
+        read_len: &mut u64,
+        write_len: &mut u64,
+        batch: &mut Batch,
+        access: Access,
+    ) -> Result<(), ChainError> {
+        if d.flags & VRING_DESC_F_INDIRECT == 0 {
+            return self.take_buffer(d.addr, d.len, d.flags & VRING_DESC_F_WRITE != 0, chain, read_len, write_len, batch, access);
+        }
+        // An indirect descriptor must be the whole chain (not linked by NEXT).
+        if !self.indirect || !first || d.flags & VRING_DESC_F_NEXT != 0 {
+            return Err(ChainError::BadIndirect);
+        }
+        if d.len == 0 || !d.len.is_multiple_of(16) || d.len / 16 > MAX_QUEUE_SIZE as u32 || !d.addr.is_multiple_of(16) {
+            return Err(ChainError::BadIndirect);
+        }
+        let table = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint).ok_or(ChainError::BadAddress)?;
+        for i in 0..(d.len / 16) as u16 {
+            let e = Self::read_desc(table, i);
+            // Only WRITE is meaningful in a table; an indirect inside one is
+            // never what a driver meant.
+            if e.flags & VRING_DESC_F_INDIRECT != 0 {
+                return Err(ChainError::BadIndirect);
+            }
+            self.take_buffer(e.addr, e.len, e.flags & VRING_DESC_F_WRITE != 0, chain, read_len, write_len, batch, access)?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn take_buffer(
+        &mut self,
+        addr: u64,
+        len: u32,
+        write: bool,
+        chain: &mut Chain,
+        read_len: &mut u64,
+        write_len: &mut u64,
+        batch: &mut Batch,
+        access: Access,
+    ) -> Result<(), ChainError> {
+        match (access, write) {
+            (Access::ReadOnly, true) | (Access::WriteOnly, false) => return Err(ChainError::WrongDirection),
+            (Access::ReadThenWrite, false) if chain.n_write > 0 => return Err(ChainError::WrongDirection),
+            _ => {}
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let segs = &mut batch.segs;
+        let mut pieces = 0u16;
+        let ok = self.mem.for_each_piece(addr, len as u64, &mut self.region_hint, |p, n| {
+            segs.push(Seg { addr: p, len: n as u32 });
+            pieces += 1;
+        });
+        if !ok {
+            return Err(ChainError::BadAddress);
+        }
+        if write {
+            chain.n_write = chain.n_write.checked_add(pieces).ok_or(ChainError::TooLong)?;
+            *write_len += len as u64;
+        } else {
+            chain.n_read = chain.n_read.checked_add(pieces).ok_or(ChainError::TooLong)?;
+            *read_len += len as u64;
+        }
+        Ok(())
+    }
+
+    /// Gives back the last `n` chains popped and not yet used; they will be
+    /// popped again.
+    pub fn unpop(&mut self, n: u16) {
+        let n = (n as usize).min(self.popped_len);
+        if n == 0 {
+            return;
+        }
+        self.popped_len -= n;
+        let i = (self.popped_head + self.popped_len) % self.popped.len();
+        let p = self.popped[i];
+        self.next_avail = Pos { idx: p.start, wrap: p.start_wrap };
+    }
+
+    /// Completes the oldest popped chain with buffer id `id` and `len` bytes
+    /// written; invisible to the driver until `publish_used`.
+    #[inline]
+    pub fn add_used(&mut self, id: u16, len: u32) {
+        if self.popped_len == 0 {
+            return;
+        }
+        let p = self.popped[self.popped_head];
+        self.popped_head = (self.popped_head + 1) % self.popped.len();
+        self.popped_len -= 1;
+        let slot = self.next_used.idx;
+        let mut flags = if self.next_used.wrap { VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED } else { 0 };
+        if len != 0 {
+            flags |= VRING_DESC_F_WRITE;
+        }
+        let base = slot as usize * 16;
+        // SAFETY: slot < size; the ring was translated with size * 16 bytes
+        // and is 16-aligned, so id (offset 12) and len (offset 8) are aligned.
+        unsafe {
+            std::ptr::write_volatile(self.ring.add(base + DESC_LEN) as *mut u32, len.to_le());
+            std::ptr::write_volatile(self.ring.add(base + DESC_ID) as *mut u16, id.to_le());
+        }
+        if self.pending_first.is_none() {
+            self.pending_first = Some((slot, flags));
+        } else {
+            // The driver reaches this slot only after the batch's first, which
+            // is published last; id and len still go before the flags.
+            fence(Ordering::Release);
+            Self::write_u16(self.ring, base + DESC_FLAGS, flags);
+        }
+        self.next_used = self.next_used.advance(p.ndesc, self.size);
+    }
+
+    /// Makes the used descriptors written so far visible: one flags store.
+    #[inline]
+    pub fn publish_used(&mut self) {
+        if let Some((slot, flags)) = self.pending_first.take() {
+            fence(Ordering::Release);
+            Self::write_u16(self.ring, slot as usize * 16 + DESC_FLAGS, flags);
+            self.stats.used_publishes += 1;
+        }
+    }
+
+    /// Publishes used descriptors if any are unpublished; returns whether it did.
+    #[inline]
+    pub fn flush_used(&mut self) -> bool {
+        let any = self.pending_first.is_some();
+        self.publish_used();
+        any
+    }
+
+    /// Whether the driver wants an interrupt for what was published since
+    /// the last call (its event suppression area: enable, disable, or the
+    /// descriptor offset with EVENT_IDX).
+    pub fn needs_notify(&mut self) -> bool {
+        let new = self.next_used;
+        let old = self.signalled_used;
+        let valid = self.signalled_valid;
+        self.signalled_used = new;
+        self.signalled_valid = true;
+        if valid && old == new {
+            return false;
+        }
+        // Our used flags must be visible before we read the driver's
+        // suppression state, or both sides may decide to sleep.
+        fence(Ordering::SeqCst);
+        match Self::read_u16(self.driver_evt, EVT_FLAGS) & 3 {
+            RING_EVENT_FLAGS_DISABLE => false,
+            RING_EVENT_FLAGS_DESC if self.event_idx => {
+                if !valid {
+                    return true;
+                }
+                let ev = Pos::decode(Self::read_u16(self.driver_evt, EVT_OFF_WRAP));
+                if ev.idx >= self.size {
+                    return true;
+                }
+                let m = 2 * self.size as u32;
+                let (e, n, o) = (ev.linear(self.size), new.linear(self.size), old.linear(self.size));
+                // The event position lies in [old, new): it was just used.
+                (n + m - e - 1) % m < (n + m - o) % m
+            }
+            _ => true,
+        }
+    }
+
+    /// Asks the driver not to kick.
+    pub fn disable_notifications(&mut self) {
+        if self.notifications_disabled {
+            return;
+        }
+        self.notifications_disabled = true;
+        Self::write_u16(self.device_evt, EVT_FLAGS, RING_EVENT_FLAGS_DISABLE);
+    }
+
+    /// Asks the driver to kick on new buffers. Returns true if buffers
+    /// arrived meanwhile: the caller must process them rather than sleep.
+    pub fn enable_notifications(&mut self) -> bool {
+        self.notifications_disabled = false;
+        Self::write_u16(self.device_evt, EVT_FLAGS, RING_EVENT_FLAGS_ENABLE);
+        // The driver must see our request before we re-check the ring.
+        fence(Ordering::SeqCst);
+        !self.broken && Self::is_avail(self.slot_flags(self.next_avail.idx), self.next_avail.wrap)
+    }
+}

@@ -1,0 +1,612 @@
+//! Driver side of a packed virtqueue (virtio 1.2, section 2.8) for the
+//! project's frontend and tests, with the same calls as `SplitDriver`.
+//!
+//! Buffer ids are the driver's own (0..size); a chain's buffers are kept in
+//! private memory so `repost` can write its descriptors again into the next
+//! ring slots. As on the device side, a batch of chains becomes visible with
+//! one store: the flags of its first descriptor, written last by `publish`.
+//! Whatever the device writes is checked: a used id that is not in flight is
+//! an error, never a panic.
+
+use crate::driver::{Buf, DriverError, DriverMemory, DriverStats, RingLayout, Used};
+use crate::ring::*;
+use std::collections::VecDeque;
+use std::sync::atomic::{fence, Ordering};
+
+/// A packed descriptor as laid out in the ring (host order here).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PackedDesc {
+    /// Guest-physical buffer address.
+    pub addr: u64,
+    /// Buffer length.
+    pub len: u32,
+    /// Buffer id.
+    pub id: u16,
+    /// VRING_DESC_F_* and the AVAIL/USED bits.
+    pub flags: u16,
+}
+
+#[derive(Clone, Default)]
+struct IdState {
+    allocated: bool,
+    in_flight: bool,
+    /// Ring slots the chain takes when posted (1 for an indirect chain).
+    ndesc: u16,
+    /// Device-writable bytes (the length a skipped in-order buffer used).
+    write_len: u32,
+    token: u64,
+    /// The buffers (device-writable flag with each); empty for indirect.
+    bufs: Vec<(Buf, bool)>,
+    /// Indirect table address and length, when the chain is indirect.
+    table: Option<(u64, u32)>,
+}
+
+#[derive(Clone, Copy)]
+struct IndirectPool {
+    gpa: u64,
+    host: *mut u8,
+    max: u16,
+}
+
+/// The driver side of one packed virtqueue.
+pub struct PackedDriver {
+    mem: DriverMemory,
+    layout: RingLayout,
+    size: u16,
+    ring: *mut u8,
+    driver_evt: *mut u8,
+    device_evt: *mut u8,
+    event_idx: bool,
+    in_order: bool,
+    ids: Vec<IdState>,
+    free_ids: Vec<u16>,
+    /// Free ring slots.
+    num_free: u16,
+    in_flight: u16,
+    next_avail: u16,
+    avail_wrap: bool,
+    /// First descriptor of the unpublished batch and its flags.
+    pending_first: Option<(u16, u16)>,
+    /// Avail position (linear, mod 2 * size) as last published / kicked.
+    published: u32,
+    kicked_at: u32,
+    next_used: u16,
+    used_wrap: bool,
+    /// Ids in the order they were made available (for IN_ORDER skips).
+    avail_order: VecDeque<u16>,
+    /// Completions found (an in-order skip yields several) not yet returned.
+    ready: VecDeque<Used>,
+    indirect: Option<IndirectPool>,
+    /// Counters.
+    pub stats: DriverStats,
+}
+
+// SAFETY: the ring pointers point into `mem`'s mapping, kept alive by its Arc;
+// a driver queue is owned by one thread at a time.
+unsafe impl Send for PackedDriver {}
+
+impl RingLayout {
+    /// A packed layout at `base` (aligned up to 64): the descriptor ring,
+    /// then the driver and device event areas on their own cache lines.
+    /// (`avail` is the driver area, `used` the device area.)
+    pub fn packed_at(base: u64, size: u16) -> RingLayout {
+        let desc = align_up(base, 64);
+        let avail = align_up(desc + desc_table_size(size), 64);
+        let used = avail + 64;
+        RingLayout { size, desc, avail, used }
+    }
+
+    /// Bytes `packed_at` takes, at most.
+    pub fn packed_footprint(size: u16) -> u64 {
+        RingLayout::packed_at(0, size).used + 128
+    }
+}
+
+fn align_up(v: u64, a: u64) -> u64 {
+    (v + a - 1) & !(a - 1)
+}
+
+const DESC_LEN: usize = 8;
+const DESC_ID: usize = 12;
+const DESC_FLAGS: usize = 14;
+const EVT_OFF_WRAP: usize = 0;
+const EVT_FLAGS: usize = 2;
+
+impl PackedDriver {
+    /// A driver queue over a packed ring at `layout` in `mem`, which it
+    /// zeroes. `features` are the negotiated features (EVENT_IDX, IN_ORDER).
+    pub fn new(mem: DriverMemory, layout: RingLayout, features: u64) -> Result<PackedDriver, DriverError> {
+        let n = layout.size;
+        if n == 0 || n > MAX_QUEUE_SIZE {
+            return Err(DriverError::BadSize);
+        }
+        if !layout.desc.is_multiple_of(16) || !layout.avail.is_multiple_of(4) || !layout.used.is_multiple_of(4) {
+            return Err(DriverError::Misaligned);
+        }
+        let dl = desc_table_size(n);
+        let ring = mem.host(layout.desc, dl).ok_or(DriverError::NotMapped)?;
+        let driver_evt = mem.host(layout.avail, 4).ok_or(DriverError::NotMapped)?;
+        let device_evt = mem.host(layout.used, 4).ok_or(DriverError::NotMapped)?;
+        // SAFETY: the three ranges were bounds-checked against the mapping above.
+        unsafe {
+            std::ptr::write_bytes(ring, 0, dl as usize);
+            std::ptr::write_bytes(driver_evt, 0, 4);
+            std::ptr::write_bytes(device_evt, 0, 4);
+        }
+        Ok(PackedDriver {
+            mem,
+            layout,
+            size: n,
+            ring,
+            driver_evt,
+            device_evt,
+            event_idx: features & features::EVENT_IDX != 0,
+            in_order: features & features::IN_ORDER != 0,
+            ids: vec![IdState::default(); n as usize],
+            free_ids: (0..n).rev().collect(),
+            num_free: n,
+            in_flight: 0,
+            next_avail: 0,
+            avail_wrap: true,
+            pending_first: None,
+            published: 0,
+            kicked_at: 0,
+            next_used: 0,
+            used_wrap: true,
+            avail_order: VecDeque::with_capacity(n as usize),
+            ready: VecDeque::new(),
+            indirect: None,
+            stats: DriverStats::default(),
+        })
+    }
+
+    /// Gives the queue indirect tables (`size * max_per_chain * 16` bytes at `gpa`).
+    pub fn set_indirect_pool(&mut self, gpa: u64, max_per_chain: u16) -> Result<(), DriverError> {
+        if max_per_chain == 0 {
+            return Err(DriverError::BadChain);
+        }
+        if !gpa.is_multiple_of(16) {
+            return Err(DriverError::Misaligned);
+        }
+        let bytes = self.size as u64 * max_per_chain as u64 * DESC_SIZE;
+        let host = self.mem.host(gpa, bytes).ok_or(DriverError::NotMapped)?;
+        self.indirect = Some(IndirectPool { gpa, host, max: max_per_chain });
+        Ok(())
+    }
+
+    /// The ring layout (`avail` = driver area, `used` = device area).
+    pub fn layout(&self) -> RingLayout {
+        self.layout
+    }
+
+    /// Queue size.
+    pub fn size(&self) -> u16 {
+        self.size
+    }
+
+    /// The driver memory.
+    pub fn memory(&self) -> &DriverMemory {
+        &self.mem
+    }
+
+    /// Free ring slots.
+    pub fn num_free(&self) -> u16 {
+        self.num_free
+    }
+
+    /// Chains made available and not yet returned by the device.
+    pub fn in_flight(&self) -> u16 {
+        self.in_flight
+    }
+
+    /// Next ring slot the driver will write and its wrap counter.
+    pub fn avail_position(&self) -> (u16, bool) {
+        (self.next_avail, self.avail_wrap)
+    }
+
+    /// Next ring slot where the device's used descriptor is expected.
+    pub fn used_position(&self) -> (u16, bool) {
+        (self.next_used, self.used_wrap)
+    }
+
+    /// Host pointers of the descriptor ring, driver area and device area.
+    pub fn ring_ptrs(&self) -> (*mut u8, *mut u8, *mut u8) {
+        (self.ring, self.driver_evt, self.device_evt)
+    }
+
+    /// Writes ring slot `i` (modulo the size) raw, flags last (for tests
+    /// that build hostile rings).
+    pub fn write_desc(&mut self, i: u16, d: PackedDesc) {
+        let base = (i % self.size) as usize * 16;
+        // SAFETY: base + 16 <= size * 16, the ring's translated length; the
+        // ring is 16-aligned so every field is aligned.
+        unsafe {
+            std::ptr::write_volatile(self.ring.add(base) as *mut u64, d.addr.to_le());
+            std::ptr::write_volatile(self.ring.add(base + DESC_LEN) as *mut u32, d.len.to_le());
+            std::ptr::write_volatile(self.ring.add(base + DESC_ID) as *mut u16, d.id.to_le());
+        }
+        fence(Ordering::Release);
+        self.store16(self.ring, base + DESC_FLAGS, d.flags);
+    }
+
+    /// Reads ring slot `i` (modulo the size).
+    pub fn read_desc(&self, i: u16) -> PackedDesc {
+        let base = (i % self.size) as usize * 16;
+        // SAFETY: as write_desc.
+        unsafe {
+            PackedDesc {
+                addr: u64::from_le(std::ptr::read_volatile(self.ring.add(base) as *const u64)),
+                len: u32::from_le(std::ptr::read_volatile(self.ring.add(base + DESC_LEN) as *const u32)),
+                id: u16::from_le(std::ptr::read_volatile(self.ring.add(base + DESC_ID) as *const u16)),
+                flags: u16::from_le(std::ptr::read_volatile(self.ring.add(base + DESC_FLAGS) as *const u16)),
+            }
+        }
+    }
+
+    /// AVAIL/USED bits that mark a descriptor available in the current lap.
+    pub fn avail_bits(wrap: bool) -> u16 {
+        if wrap {
+            VRING_PACKED_DESC_F_AVAIL
+        } else {
+            VRING_PACKED_DESC_F_USED
+        }
+    }
+
+    #[inline]
+    fn load16(&self, base: *mut u8, off: usize) -> u16 {
+        // SAFETY: callers pass a base translated with its length at set-up and
+        // an in-range, 2-aligned offset.
+        u16::from_le(unsafe { std::ptr::read_volatile(base.add(off) as *const u16) })
+    }
+
+    #[inline]
+    fn store16(&self, base: *mut u8, off: usize, v: u16) {
+        // SAFETY: as load16.
+        unsafe { std::ptr::write_volatile(base.add(off) as *mut u16, v.to_le()) }
+    }
+
+    fn linear(&self, idx: u16, wrap: bool) -> u32 {
+        idx as u32 + if wrap { 0 } else { self.size as u32 }
+    }
+
+    // ---- adding chains ----------------------------------------------------
+
+    fn alloc_id(&mut self, bufs: Vec<(Buf, bool)>, table: Option<(u64, u32)>, token: u64) -> Result<u16, DriverError> {
+        let id = self.free_ids.pop().ok_or(DriverError::NoSpace)?;
+        let write_len = bufs.iter().filter(|(_, w)| *w).map(|(b, _)| b.len).fold(0u32, u32::wrapping_add);
+        let ndesc = if table.is_some() { 1 } else { bufs.len() as u16 };
+        self.ids[id as usize] =
+            IdState { allocated: true, in_flight: false, ndesc, write_len, token, bufs, table };
+        Ok(id)
+    }
+
+    fn collect(readable: &[Buf], writable: &[Buf]) -> Vec<(Buf, bool)> {
+        readable.iter().map(|b| (*b, false)).chain(writable.iter().map(|b| (*b, true))).collect()
+    }
+
+    /// Makes a chain of `readable` then `writable` buffers available (not yet
+    /// published: call `publish`). Returns its buffer id.
+    pub fn add(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
+        let id = self.prepare(readable, writable, token)?;
+        if let Err(e) = self.post(id) {
+            self.free_id(id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    /// Keeps a chain aside for `repost` (fixed buffers), like `SplitDriver::prepare`.
+    pub fn prepare(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
+        let total = readable.len() + writable.len();
+        if total == 0 || total > self.size as usize {
+            return Err(DriverError::BadChain);
+        }
+        self.alloc_id(Self::collect(readable, writable), None, token)
+    }
+
+    /// Like `add`, with the buffers in this id's indirect table (one ring slot).
+    pub fn add_indirect(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
+        let pool = self.indirect.ok_or(DriverError::NoIndirect)?;
+        let total = readable.len() + writable.len();
+        if total == 0 || total > pool.max as usize {
+            return Err(DriverError::BadChain);
+        }
+        let bufs = Self::collect(readable, writable);
+        let id = *self.free_ids.last().ok_or(DriverError::NoSpace)?;
+        let base = id as usize * pool.max as usize * 16;
+        for (i, (b, w)) in bufs.iter().enumerate() {
+            // SAFETY: id < size and i < max: the entry lies inside the pool
+            // (size * max * 16 bytes, checked in set_indirect_pool), 16-aligned.
+            unsafe {
+                let p = pool.host.add(base + i * 16);
+                std::ptr::write_volatile(p as *mut u64, b.addr.to_le());
+                std::ptr::write_volatile(p.add(8) as *mut u32, b.len.to_le());
+                std::ptr::write_volatile(p.add(12) as *mut u16, 0);
+                std::ptr::write_volatile(p.add(14) as *mut u16, if *w { VRING_DESC_F_WRITE } else { 0 }.to_le());
+            }
+        }
+        let table = (pool.gpa + base as u64, (total * 16) as u32);
+        let id = self.alloc_id(bufs, Some(table), token)?;
+        if let Err(e) = self.post(id) {
+            self.free_id(id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    fn free_id(&mut self, id: u16) {
+        self.ids[id as usize] = IdState::default();
+        self.free_ids.push(id);
+    }
+
+    /// Writes chain `id` into the next ring slots.
+    fn post(&mut self, id: u16) -> Result<(), DriverError> {
+        let st = &self.ids[id as usize];
+        let (ndesc, table, n) = (st.ndesc, st.table, st.bufs.len());
+        if ndesc > self.num_free {
+            return Err(DriverError::NoSpace);
+        }
+        let bits = Self::avail_bits(self.avail_wrap);
+        let first = self.next_avail;
+        let first_flags;
+        if let Some((addr, len)) = table {
+            first_flags = bits | VRING_DESC_F_INDIRECT;
+            self.write_body(first, addr, len, id);
+            self.next_avail += 1;
+            if self.next_avail == self.size {
+                self.next_avail = 0;
+                self.avail_wrap = !self.avail_wrap;
+            }
+        } else {
+            let mut ff = 0;
+            for k in 0..n {
+                let (b, w) = self.ids[id as usize].bufs[k];
+                let mut f = Self::avail_bits(self.avail_wrap);
+                if w {
+                    f |= VRING_DESC_F_WRITE;
+                }
+                if k + 1 < n {
+                    f |= VRING_DESC_F_NEXT;
+                }
+                let slot = self.next_avail;
+                self.write_body(slot, b.addr, b.len, id);
+                if k == 0 {
+                    ff = f;
+                } else {
+                    fence(Ordering::Release);
+                    self.store16(self.ring, slot as usize * 16 + DESC_FLAGS, f);
+                }
+                self.next_avail += 1;
+                if self.next_avail == self.size {
+                    self.next_avail = 0;
+                    self.avail_wrap = !self.avail_wrap;
+                }
+            }
+            first_flags = ff;
+        }
+        // The batch's first chain head is published by `publish`; later heads
+        // can be written now (the device reaches them only through it).
+        if self.pending_first.is_none() {
+            self.pending_first = Some((first, first_flags));
+        } else {
+            fence(Ordering::Release);
+            self.store16(self.ring, first as usize * 16 + DESC_FLAGS, first_flags);
+        }
+        self.num_free -= ndesc;
+        self.ids[id as usize].in_flight = true;
+        self.in_flight += 1;
+        if self.in_order {
+            self.avail_order.push_back(id);
+        }
+        self.stats.added += 1;
+        Ok(())
+    }
+
+    #[inline]
+    fn write_body(&mut self, slot: u16, addr: u64, len: u32, id: u16) {
+        let base = slot as usize * 16;
+        // SAFETY: slot < size; fields aligned in the 16-aligned ring.
+        unsafe {
+            std::ptr::write_volatile(self.ring.add(base) as *mut u64, addr.to_le());
+            std::ptr::write_volatile(self.ring.add(base + DESC_LEN) as *mut u32, len.to_le());
+            std::ptr::write_volatile(self.ring.add(base + DESC_ID) as *mut u16, id.to_le());
+        }
+    }
+
+    /// Makes a kept chain available again.
+    #[inline]
+    pub fn repost(&mut self, id: u16) -> Result<(), DriverError> {
+        let st = self.ids.get(id as usize).ok_or(DriverError::NotKept)?;
+        if !st.allocated || st.in_flight {
+            return Err(DriverError::NotKept);
+        }
+        self.post(id)
+    }
+
+    /// Changes the length of a kept single-buffer chain before reposting it.
+    #[inline]
+    pub fn set_kept_len(&mut self, id: u16, len: u32) -> Result<(), DriverError> {
+        let st = self.ids.get_mut(id as usize).ok_or(DriverError::NotKept)?;
+        if !st.allocated || st.in_flight || st.bufs.len() != 1 || st.table.is_some() {
+            return Err(DriverError::NotKept);
+        }
+        st.bufs[0].0.len = len;
+        if st.bufs[0].1 {
+            st.write_len = len;
+        }
+        Ok(())
+    }
+
+    /// Returns a kept chain's id.
+    pub fn free_kept(&mut self, id: u16) -> Result<(), DriverError> {
+        let st = self.ids.get(id as usize).ok_or(DriverError::NotKept)?;
+        if !st.allocated || st.in_flight {
+            return Err(DriverError::NotKept);
+        }
+        self.free_id(id);
+        Ok(())
+    }
+
+    /// Makes everything added since the last publish visible with one flags
+    /// store. Returns whether there was anything.
+    #[inline]
+    pub fn publish(&mut self) -> u16 {
+        match self.pending_first.take() {
+            Some((slot, flags)) => {
+                fence(Ordering::Release);
+                self.store16(self.ring, slot as usize * 16 + DESC_FLAGS, flags);
+                self.published = self.linear(self.next_avail, self.avail_wrap);
+                self.stats.publishes += 1;
+                1
+            }
+            None => 0,
+        }
+    }
+
+    /// Should the device be kicked for what was published since the last call?
+    #[inline]
+    pub fn needs_kick(&mut self) -> bool {
+        let new = self.published;
+        let old = self.kicked_at;
+        if new == old {
+            return false;
+        }
+        // Our flags store must be visible before we read the device's area.
+        fence(Ordering::SeqCst);
+        self.kicked_at = new;
+        let kick = match self.load16(self.device_evt, EVT_FLAGS) & 3 {
+            RING_EVENT_FLAGS_DISABLE => false,
+            RING_EVENT_FLAGS_DESC if self.event_idx => {
+                let ow = self.load16(self.device_evt, EVT_OFF_WRAP);
+                let (idx, wrap) = (ow & 0x7fff, ow & 0x8000 != 0);
+                let m = 2 * self.size as u32;
+                let e = self.linear(idx.min(self.size - 1), wrap);
+                (new + m - e - 1) % m < (new + m - old) % m
+            }
+            _ => true,
+        };
+        if kick {
+            self.stats.kicks += 1;
+        }
+        kick
+    }
+
+    /// `publish` then `needs_kick`.
+    #[inline]
+    pub fn publish_and_check_kick(&mut self) -> bool {
+        self.publish();
+        self.needs_kick()
+    }
+
+    // ---- taking used descriptors ----------------------------------------------
+
+    #[inline]
+    fn used_visible(&self) -> bool {
+        let f = self.load16(self.ring, self.next_used as usize * 16 + DESC_FLAGS);
+        let a = f & VRING_PACKED_DESC_F_AVAIL != 0;
+        let u = f & VRING_PACKED_DESC_F_USED != 0;
+        a == self.used_wrap && u == self.used_wrap
+    }
+
+    /// Reads the next used descriptor into `ready` (several for an in-order skip).
+    fn fetch_used(&mut self) -> Result<bool, DriverError> {
+        if self.in_flight == 0 || !self.used_visible() {
+            return Ok(false);
+        }
+        fence(Ordering::Acquire);
+        let d = self.read_desc(self.next_used);
+        let id = d.id;
+        let st = self.ids.get(id as usize).ok_or(DriverError::BadUsedId)?;
+        if !st.in_flight {
+            return Err(DriverError::UsedNotInFlight);
+        }
+        let mut skip = 0u32;
+        if self.in_order {
+            // Everything made available before `id` is used too (a skip).
+            while let Some(front) = self.avail_order.pop_front() {
+                let s = &self.ids[front as usize];
+                skip += s.ndesc as u32;
+                let len = if front == id { d.len } else { s.write_len };
+                self.ready.push_back(Used { id: front, len, token: s.token });
+                if front == id {
+                    break;
+                }
+            }
+        } else {
+            skip = st.ndesc as u32;
+            self.ready.push_back(Used { id, len: d.len, token: st.token });
+        }
+        let next = self.next_used as u32 + skip;
+        if next >= self.size as u32 {
+            self.used_wrap = !self.used_wrap;
+        }
+        self.next_used = (next % self.size as u32) as u16;
+        Ok(true)
+    }
+
+    fn take_used(&mut self, keep: bool) -> Result<Option<Used>, DriverError> {
+        if self.ready.is_empty() && !self.fetch_used()? {
+            return Ok(None);
+        }
+        let Some(u) = self.ready.pop_front() else { return Ok(None) };
+        let st = &mut self.ids[u.id as usize];
+        st.in_flight = false;
+        let ndesc = st.ndesc;
+        self.num_free += ndesc;
+        self.in_flight -= 1;
+        self.stats.used += 1;
+        if !keep {
+            self.free_id(u.id);
+        }
+        Ok(Some(u))
+    }
+
+    /// Whether a used descriptor is ready (1) or not (0).
+    pub fn used_ready(&mut self) -> Result<u16, DriverError> {
+        Ok((!self.ready.is_empty() || (self.in_flight != 0 && self.used_visible())) as u16)
+    }
+
+    /// Takes the next completion and frees its id.
+    pub fn pop_used(&mut self) -> Result<Option<Used>, DriverError> {
+        self.take_used(false)
+    }
+
+    /// Takes the next completion, keeping the chain for `repost`.
+    pub fn pop_used_keep(&mut self) -> Result<Option<Used>, DriverError> {
+        self.take_used(true)
+    }
+
+    /// Takes up to `out.len()` completions.
+    pub fn pop_used_batch(&mut self, out: &mut [Used], keep: bool) -> Result<usize, DriverError> {
+        let mut n = 0;
+        while n < out.len() {
+            match self.take_used(keep)? {
+                Some(u) => {
+                    out[n] = u;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        Ok(n)
+    }
+
+    // ---- interrupt suppression ----------------------------------------------
+
+    /// Asks the device for a call on the next completion; true if one is
+    /// already there.
+    pub fn enable_notifications(&mut self) -> bool {
+        self.store16(self.driver_evt, EVT_FLAGS, RING_EVENT_FLAGS_ENABLE);
+        fence(Ordering::SeqCst);
+        !self.ready.is_empty() || (self.in_flight != 0 && self.used_visible())
+    }
+
+    /// Asks the device not to call.
+    pub fn disable_notifications(&mut self) {
+        self.store16(self.driver_evt, EVT_FLAGS, RING_EVENT_FLAGS_DISABLE);
+    }
+
+    /// Nothing to refresh: DISABLE does not expire on a packed ring.
+    #[inline]
+    pub fn refresh_disabled(&mut self) {}
+}

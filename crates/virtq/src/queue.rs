@@ -1,0 +1,135 @@
+//! A device-side virtqueue of either layout, chosen by VIRTIO_F_RING_PACKED.
+//! Devices use this type; the match per call is one predictable branch.
+
+use crate::memory::GuestMemory;
+use crate::packed::PackedQueue;
+use crate::split::{Access, Batch, QueueStats, SetupError, SplitQueue};
+use std::sync::Arc;
+
+/// A split or packed virtqueue, device side.
+pub enum Queue {
+    /// Split ring (virtio 1.2, 2.7).
+    Split(SplitQueue),
+    /// Packed ring (virtio 1.2, 2.8).
+    Packed(PackedQueue),
+}
+
+macro_rules! each {
+    ($self:expr, $q:ident => $e:expr) => {
+        match $self {
+            Queue::Split($q) => $e,
+            Queue::Packed($q) => $e,
+        }
+    };
+}
+
+impl Queue {
+    /// True for a packed ring.
+    pub fn is_packed(&self) -> bool {
+        matches!(self, Queue::Packed(_))
+    }
+
+    /// Queue size.
+    pub fn size(&self) -> u16 {
+        each!(self, q => q.size())
+    }
+
+    /// The memory table this ring reads.
+    pub fn memory(&self) -> &Arc<GuestMemory> {
+        each!(self, q => q.memory())
+    }
+
+    /// What GET_VRING_BASE returns (split: next avail index; packed: avail
+    /// and used positions with their wrap counters).
+    pub fn vring_base(&self) -> u32 {
+        match self {
+            Queue::Split(q) => q.next_avail() as u32,
+            Queue::Packed(q) => q.vring_base(),
+        }
+    }
+
+    /// True once the driver broke the ring.
+    pub fn is_broken(&self) -> bool {
+        each!(self, q => q.is_broken())
+    }
+
+    /// Counters.
+    #[inline]
+    pub fn stats(&self) -> &QueueStats {
+        each!(self, q => &q.stats)
+    }
+
+    /// Counters, to reset them.
+    pub fn stats_mut(&mut self) -> &mut QueueStats {
+        each!(self, q => &mut q.stats)
+    }
+
+    /// The same ring over a new memory table.
+    pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<Queue, SetupError> {
+        Ok(match self {
+            Queue::Split(q) => Queue::Split(q.remap(mem)?),
+            Queue::Packed(q) => Queue::Packed(q.remap(mem)?),
+        })
+    }
+
+    /// At least `want` available chains if there are (fewer if not).
+    #[inline]
+    pub fn available(&mut self, want: u16) -> u16 {
+        each!(self, q => q.available(want))
+    }
+
+    /// All chains available and not yet popped (split: reads avail.idx;
+    /// packed: scans descriptor flags).
+    pub fn pending(&mut self) -> u16 {
+        match self {
+            Queue::Split(q) => q.pending(),
+            Queue::Packed(q) => q.available(q.size()),
+        }
+    }
+
+    /// Pops up to `max` chains into `batch`.
+    #[inline]
+    pub fn pop_batch(&mut self, batch: &mut Batch, max: usize, access: Access) -> usize {
+        each!(self, q => q.pop_batch(batch, max, access))
+    }
+
+    /// Gives back the last `n` chains popped.
+    #[inline]
+    pub fn unpop(&mut self, n: u16) {
+        each!(self, q => q.unpop(n))
+    }
+
+    /// Completes a chain (in pop order); visible after `publish_used`.
+    #[inline]
+    pub fn add_used(&mut self, head: u16, len: u32) {
+        each!(self, q => q.add_used(head, len))
+    }
+
+    /// Publishes the used entries written so far.
+    #[inline]
+    pub fn publish_used(&mut self) {
+        each!(self, q => q.publish_used())
+    }
+
+    /// Publishes if anything is unpublished; returns whether it did.
+    #[inline]
+    pub fn flush_used(&mut self) -> bool {
+        each!(self, q => q.flush_used())
+    }
+
+    /// Whether the driver wants an interrupt now.
+    #[inline]
+    pub fn needs_notify(&mut self) -> bool {
+        each!(self, q => q.needs_notify())
+    }
+
+    /// Asks the driver not to kick.
+    pub fn disable_notifications(&mut self) {
+        each!(self, q => q.disable_notifications())
+    }
+
+    /// Asks the driver to kick; true if buffers arrived meanwhile.
+    pub fn enable_notifications(&mut self) -> bool {
+        each!(self, q => q.enable_notifications())
+    }
+}
