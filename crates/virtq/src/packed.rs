@@ -274,7 +274,9 @@ impl PackedQueue {
         }
     }
 
-    /// Counts available chains, up to `want`, by looking at flags only.
+    /// Counts available chains, up to `want`, by looking at flags only. A
+    /// chain cut short (its head available, a later slot not: impossible from
+    /// a correct driver) counts too, so that `pop_batch` gets to reject it.
     pub fn available(&mut self, want: u16) -> u16 {
         if self.broken {
             return 0;
@@ -282,16 +284,21 @@ impl PackedQueue {
         let mut pos = self.next_avail;
         let mut chains = 0;
         let mut seen = 0u16;
+        let mut in_chain = false;
         while chains < want && seen < self.size {
             let f = self.slot_flags(pos.idx);
             if !Self::is_avail(f, pos.wrap) {
                 break;
             }
             seen += 1;
-            if f & VRING_DESC_F_NEXT == 0 {
+            in_chain = f & VRING_DESC_F_NEXT != 0;
+            if !in_chain {
                 chains += 1;
             }
             pos = pos.advance(1, self.size);
+        }
+        if in_chain && chains < want {
+            chains += 1;
         }
         chains
     }
