@@ -257,8 +257,8 @@ pub fn process_tx(
             stats.bytes += frame as u64;
             filled += 1;
         }
-        tx.add_used(chain.head, 0);
     }
+    tx.add_used_read_only(&batch.chains);
     backend.tx_commit(filled);
     tx.publish_used();
     stats.packets += filled as u64;

@@ -341,8 +341,17 @@ fn print_stats(reports: &[WorkerReport]) {
             };
             let d = ring.dir.dropped + backend_dropped;
             out += &format!(
-                "stats queue={index} dir={name} packets={} bytes={} dropped={d} bad_chains={} batches={} kicks={} notifies={} busy_cycles={}\n",
-                ring.dir.packets, ring.dir.bytes, ring.queue.bad_chains, ring.dir.batches, ring.kicks, ring.notifies, ring.busy_cycles
+                "stats queue={index} dir={name} packets={} bytes={} dropped={d} bad_chains={} batches={} kicks={} notifies={} busy_cycles={} fast_chains={} batch4={} used_skipped={}\n",
+                ring.dir.packets,
+                ring.dir.bytes,
+                ring.queue.bad_chains,
+                ring.dir.batches,
+                ring.kicks,
+                ring.notifies,
+                ring.busy_cycles,
+                ring.queue.fast_chains,
+                ring.queue.batch4,
+                ring.queue.used_skipped
             );
             dropped += d;
             bad += ring.queue.bad_chains;

@@ -593,5 +593,8 @@ fn add_queue_stats(a: QueueStats, b: QueueStats) -> QueueStats {
         bad_indirect: a.bad_indirect + b.bad_indirect,
         batches: a.batches + b.batches,
         used_publishes: a.used_publishes + b.used_publishes,
+        fast_chains: a.fast_chains + b.fast_chains,
+        batch4: a.batch4 + b.batch4,
+        used_skipped: a.used_skipped + b.used_skipped,
     }
 }

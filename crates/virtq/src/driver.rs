@@ -264,6 +264,11 @@ pub struct SplitDriver {
     avail: *mut u8,
     used: *mut u8,
     event_idx: bool,
+    in_order: bool,
+    /// Heads in the order they were made available (IN_ORDER only).
+    avail_order: std::collections::VecDeque<u16>,
+    /// The used entry (id, len) that ends the batch being taken (IN_ORDER).
+    batch_last: Option<(u16, u32)>,
     /// Private copy of the `next` links of allocated chains and the free list.
     next: Vec<u16>,
     heads: Vec<HeadState>,
@@ -332,6 +337,9 @@ impl SplitDriver {
             avail,
             used,
             event_idx: features & features::EVENT_IDX != 0,
+            in_order: features & features::IN_ORDER != 0,
+            avail_order: std::collections::VecDeque::with_capacity(n as usize),
+            batch_last: None,
             next,
             heads: vec![HeadState::default(); n as usize],
             free_head: 0,
@@ -671,6 +679,9 @@ impl SplitDriver {
         self.write_avail_ring(self.avail_shadow, head);
         self.avail_shadow = self.avail_shadow.wrapping_add(1);
         self.heads[head as usize].in_flight = true;
+        if self.in_order {
+            self.avail_order.push_back(head);
+        }
         self.in_flight += 1;
         self.stats.added += 1;
     }
@@ -788,7 +799,7 @@ impl SplitDriver {
         if self.used_ready()? == 0 {
             return Ok(None);
         }
-        let (id, len) = self.read_used_ring(self.last_used);
+        let (id, len) = if self.in_order { self.take_in_order()? } else { self.read_used_ring(self.last_used) };
         let h = *self.heads.get(id as usize).ok_or(DriverError::BadUsedId)?;
         if !h.in_flight {
             return Err(DriverError::UsedNotInFlight);
@@ -806,6 +817,30 @@ impl SplitDriver {
             len,
             token: h.token,
         }))
+    }
+
+    /// With IN_ORDER a used entry may stand for every chain made available
+    /// up to its id (virtio 1.2, 2.7.9): returns the oldest chain in flight,
+    /// with the entry's length if it is the one named, else 0.
+    fn take_in_order(&mut self) -> Result<(u16, u32), DriverError> {
+        let (id, len) = match self.batch_last {
+            Some(e) => e,
+            None => {
+                let e = self.read_used_ring(self.last_used);
+                if !self.heads.get(e.0 as usize).ok_or(DriverError::BadUsedId)?.in_flight {
+                    return Err(DriverError::UsedNotInFlight);
+                }
+                self.batch_last = Some(e);
+                e
+            }
+        };
+        let front = self.avail_order.pop_front().ok_or(DriverError::UsedIdxAhead)?;
+        if front == id {
+            self.batch_last = None;
+            Ok((id, len))
+        } else {
+            Ok((front, 0))
+        }
     }
 
     /// Takes the next used entry and frees its descriptors.

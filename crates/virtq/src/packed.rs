@@ -104,6 +104,7 @@ pub struct PackedQueue {
     device_evt: *mut u8,
     event_idx: bool,
     indirect: bool,
+    in_order: bool,
     next_avail: Pos,
     next_used: Pos,
     /// Popped, not yet used chains, oldest first (a ring of `size` entries).
@@ -188,6 +189,7 @@ impl PackedQueue {
             device_evt,
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
+            in_order: cfg.features & features::IN_ORDER != 0,
             next_avail: avail,
             next_used: used,
             popped: vec![Popped::default(); n as usize],
@@ -345,6 +347,7 @@ impl PackedQueue {
                         });
                         self.push_popped(pos, 1);
                         self.next_avail = pos.advance(1, self.size);
+                        self.stats.fast_chains += 1;
                         continue;
                     }
                 }
@@ -553,6 +556,37 @@ impl PackedQueue {
             Self::write_u16(self.ring, base + DESC_FLAGS, flags);
         }
         self.next_used = self.next_used.advance(p.ndesc, self.size);
+    }
+
+    /// Completes the `chains` popped last (oldest first) as read with
+    /// nothing written. With IN_ORDER that is one used descriptor with the
+    /// last chain's id, skipping the slots of all of them (virtio 1.2, 2.8.9).
+    #[inline]
+    pub fn add_used_read_only(&mut self, chains: &[Chain]) {
+        match chains {
+            [] => {}
+            [.., last] if self.in_order && self.popped_len >= chains.len() => {
+                // Fold the batch's slot counts into the last one: add_used
+                // then writes one descriptor and skips them all.
+                let n = self.popped.len();
+                let mut slots = 0u32;
+                for _ in 0..chains.len() - 1 {
+                    slots += self.popped[self.popped_head].ndesc as u32;
+                    self.popped_head = (self.popped_head + 1) % n;
+                    self.popped_len -= 1;
+                }
+                let p = &mut self.popped[self.popped_head];
+                // A batch never exceeds the ring, so the sum fits.
+                p.ndesc = (slots + p.ndesc as u32).min(self.size as u32) as u16;
+                self.add_used(last.head, 0);
+                self.stats.used_skipped += chains.len() as u64 - 1;
+            }
+            _ => {
+                for c in chains {
+                    self.add_used(c.head, 0);
+                }
+            }
+        }
     }
 
     /// Makes the used descriptors written so far visible: one flags store.

@@ -105,6 +105,13 @@ impl Queue {
         each!(self, q => q.add_used(head, len))
     }
 
+    /// Completes a popped batch as read, nothing written (one used entry
+    /// for it all with IN_ORDER).
+    #[inline]
+    pub fn add_used_read_only(&mut self, chains: &[crate::split::Chain]) {
+        each!(self, q => q.add_used_read_only(chains))
+    }
+
     /// Publishes the used entries written so far.
     #[inline]
     pub fn publish_used(&mut self) {

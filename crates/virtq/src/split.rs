@@ -142,8 +142,14 @@ pub struct QueueStats {
     pub bad_indirect: u64,
     /// Batches popped (non-empty).
     pub batches: u64,
-    /// used.idx stores.
+    /// used.idx stores (split) or publishing flag stores (packed).
     pub used_publishes: u64,
+    /// Chains taken by the single-descriptor fast path.
+    pub fast_chains: u64,
+    /// Packed rings: groups of four simple descriptors taken at once.
+    pub batch4: u64,
+    /// Chains completed without a used entry of their own (IN_ORDER batches).
+    pub used_skipped: u64,
 }
 
 impl QueueStats {
@@ -227,6 +233,7 @@ pub struct SplitQueue {
     used: *mut u8,
     event_idx: bool,
     indirect: bool,
+    in_order: bool,
     next_avail: u16,
     /// avail.idx as last read (entries up to it are published and fenced).
     avail_seen: u16,
@@ -302,6 +309,7 @@ impl SplitQueue {
             used,
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
+            in_order: cfg.features & features::IN_ORDER != 0,
             next_avail: cfg.next_avail,
             avail_seen: cfg.next_avail,
             next_used: 0,
@@ -498,6 +506,7 @@ impl SplitQueue {
                             read_len: if write { 0 } else { d.len },
                             write_len: if write { d.len } else { 0 },
                         });
+                        self.stats.fast_chains += 1;
                         continue;
                     }
                 }
@@ -632,6 +641,28 @@ impl SplitQueue {
             std::ptr::write_volatile(p.add(1), ((elem >> 32) as u32).to_le());
         }
         self.next_used = self.next_used.wrapping_add(1);
+    }
+
+    /// Completes every chain in `chains` (popped in this order, the oldest
+    /// first) as read with nothing written. With IN_ORDER that is one used
+    /// element, the last chain's, and used.idx moves by the whole batch
+    /// (virtio 1.2, 2.7.9): the driver takes the ones before it as used.
+    #[inline]
+    pub fn add_used_read_only(&mut self, chains: &[Chain]) {
+        match chains {
+            [] => {}
+            [.., last] if self.in_order => {
+                self.add_used(last.head, 0);
+                let skipped = chains.len() as u16 - 1;
+                self.next_used = self.next_used.wrapping_add(skipped);
+                self.stats.used_skipped += skipped as u64;
+            }
+            _ => {
+                for c in chains {
+                    self.add_used(c.head, 0);
+                }
+            }
+        }
     }
 
     /// Makes all used elements written so far visible with one used.idx store.
