@@ -72,7 +72,9 @@ impl Queue {
         })
     }
 
-    /// At least `want` available chains if there are (fewer if not).
+    /// How many chains to plan for, up to `want` (split: at least
+    /// min(want, available), reading avail.idx only when needed; packed: an
+    /// upper bound from the next slot's flags).
     #[inline]
     pub fn available(&mut self, want: u16) -> u16 {
         each!(self, q => q.available(want))
@@ -83,7 +85,7 @@ impl Queue {
     pub fn pending(&mut self) -> u16 {
         match self {
             Queue::Split(q) => q.pending(),
-            Queue::Packed(q) => q.available(q.size()),
+            Queue::Packed(q) => q.pending(),
         }
     }
 

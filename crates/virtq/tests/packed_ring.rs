@@ -291,11 +291,12 @@ fn a_chain_longer_than_the_ring_or_cut_short_breaks_the_queue() {
         r.avail(s, true, buf(0), 10, 0, NEXT);
     }
     let mut b = Batch::new();
-    assert_eq!(q.available(8), 1, "a chain cut short still counts, so it gets rejected");
+    assert_eq!(q.pending(), 1, "a chain cut short still counts, so it gets rejected");
+    assert_eq!(q.available(8), 8, "an upper bound");
     assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 0);
     assert!(q.is_broken());
     assert_eq!(q.stats.bad_loop, 1);
-    assert_eq!(q.available(8), 0);
+    assert_eq!((q.available(8), q.pending()), (0, 0));
 
     let r = Ring::new(8);
     let mut q = r.device();
@@ -547,4 +548,43 @@ fn the_driver_refuses_a_used_id_that_is_not_in_flight() {
     assert_eq!(drv.pop_used(), Err(virtq::driver::DriverError::UsedNotInFlight));
     r.desc_at(r.layout.desc, 0, 0, 999, used);
     assert_eq!(drv.pop_used(), Err(virtq::driver::DriverError::BadUsedId));
+}
+
+#[test]
+fn four_simple_descriptors_are_taken_together_and_anything_else_falls_back() {
+    let r = Ring::new(16);
+    let mut q = r.device();
+    // Slots 0-3 simple; 4-7 with a bad address at 6; 8-11 simple; 12-13 a chain.
+    for s in 0..12u16 {
+        let addr = if s == 6 { 1 << 40 } else { buf(s as u64) };
+        r.avail(s, true, addr, 64, 100 + s, WRITE);
+    }
+    r.avail(13, true, buf(13), 64, 113, WRITE);
+    r.avail(12, true, buf(12), 64, 0, WRITE | NEXT);
+    let mut b = Batch::new();
+    // Slots 4, 5 come before the bad chain: the batch ends there.
+    assert_eq!(q.pop_batch(&mut b, 32, Access::WriteOnly), 6);
+    assert!(b.ended_before_bad);
+    assert_eq!(q.stats.batch4, 1, "slots 0-3 as one group; 4-7 fell back");
+    let heads: Vec<u16> = b.chains.iter().map(|c| c.head).collect();
+    assert_eq!(heads, [100, 101, 102, 103, 104, 105]);
+    assert_eq!(b.writable(&b.chains[2])[0].addr, r.host(buf(2)));
+    for c in b.chains.clone() {
+        q.add_used(c.head, 64);
+    }
+    // Slot 6 is completed empty; 7-10 form a group; 11 alone; 12-13 a chain.
+    assert_eq!(q.pop_batch(&mut b, 32, Access::WriteOnly), 6);
+    assert_eq!(q.stats.bad_address, 1);
+    assert_eq!(q.stats.batch4, 2);
+    let heads: Vec<u16> = b.chains.iter().map(|c| c.head).collect();
+    assert_eq!(heads, [107, 108, 109, 110, 111, 113]);
+    assert_eq!(b.writable(&b.chains[5]).len(), 2);
+    // Read-only access on a writable group: no group, and each is refused.
+    let r = Ring::new(8);
+    let mut q = r.device();
+    for s in 0..4u16 {
+        r.avail(s, true, buf(s as u64), 64, s, WRITE);
+    }
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 0);
+    assert_eq!((q.stats.batch4, q.stats.bad_direction), (0, 4));
 }
