@@ -85,6 +85,16 @@ impl Pos {
     }
 }
 
+/// `i` modulo `n` for `i < 2n` (no division in the hot path).
+#[inline]
+fn wrap_index(i: usize, n: usize) -> usize {
+    if i >= n {
+        i - n
+    } else {
+        i
+    }
+}
+
 /// A popped chain not yet used: where it starts and how many ring slots it takes.
 #[derive(Clone, Copy, Debug, Default)]
 struct Popped {
@@ -471,7 +481,7 @@ impl PackedQueue {
     #[inline]
     fn push_popped(&mut self, start: Pos, ndesc: u16) {
         let n = self.popped.len();
-        let i = (self.popped_head + self.popped_len) % n;
+        let i = wrap_index(self.popped_head + self.popped_len, n);
         self.popped[i] = Popped { start: start.idx, start_wrap: start.wrap, ndesc };
         self.popped_len += 1;
     }
@@ -600,7 +610,7 @@ impl PackedQueue {
             return;
         }
         self.popped_len -= n;
-        let i = (self.popped_head + self.popped_len) % self.popped.len();
+        let i = wrap_index(self.popped_head + self.popped_len, self.popped.len());
         let p = self.popped[i];
         self.next_avail = Pos { idx: p.start, wrap: p.start_wrap };
     }
@@ -613,7 +623,7 @@ impl PackedQueue {
             return;
         }
         let p = self.popped[self.popped_head];
-        self.popped_head = (self.popped_head + 1) % self.popped.len();
+        self.popped_head = wrap_index(self.popped_head + 1, self.popped.len());
         self.popped_len -= 1;
         let slot = self.next_used.idx;
         let mut flags = if self.next_used.wrap { VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED } else { 0 };
@@ -652,7 +662,7 @@ impl PackedQueue {
                 let mut slots = 0u32;
                 for _ in 0..chains.len() - 1 {
                     slots += self.popped[self.popped_head].ndesc as u32;
-                    self.popped_head = (self.popped_head + 1) % n;
+                    self.popped_head = wrap_index(self.popped_head + 1, n);
                     self.popped_len -= 1;
                 }
                 let p = &mut self.popped[self.popped_head];
