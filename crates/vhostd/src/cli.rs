@@ -240,9 +240,17 @@ pub struct NetArgs {
     /// Largest ring size the frontend may set (a power of two, 1..=32768).
     #[arg(long, default_value_t = 32768, value_parser = parse_queue_size)]
     pub queue_size: u16,
-    /// Busy-poll the rings instead of sleeping on kicks.
-    #[arg(long)]
+    /// How dataplane threads wait for work: interrupt (sleep on kicks when
+    /// idle), poll (spin, kicks suppressed), adaptive (spin while busy and
+    /// for --poll-idle-us after the last packet, then sleep on kicks).
+    #[arg(long, value_enum, default_value_t = WaitMode::Interrupt)]
+    pub mode: WaitMode,
+    /// Same as --mode poll.
+    #[arg(long, conflicts_with = "mode")]
     pub poll: bool,
+    /// Adaptive mode: microseconds without work before sleeping (1..=1000000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub poll_idle_us: u64,
     /// CPUs to pin the dataplane threads to, e.g. "0", "0,1" or "0-3" (thread i gets the i-th, round robin).
     #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
     pub cpus: Option<CpuList>,
@@ -252,6 +260,17 @@ pub struct NetArgs {
     /// Frame size of the source backend in bytes (Ethernet header included, 14..=65550).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(14..=65550))]
     pub pkt_size: u32,
+}
+
+/// How dataplane threads wait for work (`--mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WaitMode {
+    /// Sleep on the kick eventfds when idle.
+    Interrupt,
+    /// Busy-poll while rings are attached.
+    Poll,
+    /// Busy-poll while busy and for a short idle window, then sleep.
+    Adaptive,
 }
 
 /// A parsed CPU list.

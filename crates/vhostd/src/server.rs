@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use vhostd_net::CtrlState;
 
-use crate::cli::NetArgs;
+use crate::cli::{NetArgs, WaitMode};
 use crate::session::{Device, Session};
 use crate::worker::{self, Mode, Shared, WorkerReport};
 
@@ -277,7 +277,13 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
         link: backends.link,
         wakers: std::sync::OnceLock::new(),
     });
-    let mode = if args.poll { Mode::Poll } else { Mode::Interrupt };
+    let mode = match (args.poll, args.mode) {
+        (true, _) | (false, WaitMode::Poll) => Mode::Poll,
+        (false, WaitMode::Interrupt) => Mode::Interrupt,
+        (false, WaitMode::Adaptive) => {
+            Mode::Adaptive { idle: std::time::Duration::from_micros(args.poll_idle_us) }
+        }
+    };
     let mut workers = Vec::new();
     for (pair, backend) in backends.queues.into_iter().enumerate() {
         let cpu = args.cpus.as_ref().map(|l| l.0[pair % l.0.len()]);
@@ -328,6 +334,10 @@ fn print_stats(reports: &[WorkerReport]) {
     let mut out = String::new();
     let (mut txp, mut txb, mut rxp, mut rxb, mut dropped, mut bad, mut cycles) = (0, 0, 0, 0, 0, 0, 0);
     for r in reports {
+        out += &format!(
+            "stats worker={} busy_iters={} idle_iters={} sleeps={}\n",
+            r.pair, r.busy_iters, r.idle_iters, r.sleeps
+        );
         for (slot, name) in [(0usize, "rx"), (1, "tx"), (2, "ctrl")] {
             let ring = &r.rings[slot];
             if slot == 2 && ring.queue.chains == 0 && ring.queue.bad_chains == 0 {

@@ -83,6 +83,8 @@ pub struct WorkerReport {
     pub idle_iters: u64,
     /// Loop iterations that moved at least one frame.
     pub busy_iters: u64,
+    /// Times the worker slept on its epoll set.
+    pub sleeps: u64,
     /// The backend's own counters.
     pub backend: vhostd_backends::BackendStats,
 }
@@ -210,6 +212,12 @@ pub enum Mode {
     Interrupt,
     /// Spin while rings are attached (kicks suppressed with NO_NOTIFY).
     Poll,
+    /// Spin while there is work and for `idle` after the last work, kicks
+    /// suppressed; then ask for kicks, re-check, and sleep.
+    Adaptive {
+        /// How long to keep spinning without work before sleeping.
+        idle: std::time::Duration,
+    },
 }
 
 struct Worker {
@@ -225,6 +233,8 @@ struct Worker {
     epoll: Epoll,
     idle_iters: u64,
     busy_iters: u64,
+    /// Times the worker went to sleep on its epoll set (interrupt, adaptive).
+    sleeps: u64,
     /// The backend is told whether anyone reads its RX side (a multi-queue
     /// TAP then steers frames only to queues in use).
     backend_active: bool,
@@ -287,6 +297,7 @@ pub fn spawn(
         shared,
         epoll,
         idle_iters: 0,
+        sleeps: 0,
         busy_iters: 0,
         backend_active: true,
         backend_armed,
@@ -333,6 +344,9 @@ fn tsc() -> u64 {
 impl Worker {
     fn run(mut self) -> WorkerReport {
         let mut backoff = 1u32;
+        // Adaptive mode: when work was last seen (looked up every 64 idle passes).
+        let mut last_work = std::time::Instant::now();
+        let mut idle_run = 0u32;
         loop {
             if self.pending.load(Ordering::Acquire) {
                 self.pending.store(false, Ordering::Relaxed);
@@ -345,6 +359,7 @@ impl Worker {
             if moved > 0 {
                 self.busy_iters += 1;
                 backoff = 1;
+                idle_run = 0;
                 continue;
             }
             self.idle_iters += 1;
@@ -362,7 +377,18 @@ impl Worker {
             let attached = self.rings.iter().any(|r| r.queue.is_some());
             // A ring started without a kick fd must be polled.
             let must_poll = self.rings.iter().any(|r| r.queue.is_some() && r.kick.is_none());
-            if attached && (self.mode == Mode::Poll || must_poll) {
+            let spin = match self.mode {
+                Mode::Poll => true,
+                Mode::Interrupt => false,
+                Mode::Adaptive { idle } => {
+                    if idle_run == 0 {
+                        last_work = std::time::Instant::now();
+                    }
+                    idle_run = idle_run.wrapping_add(1);
+                    !(idle_run.is_multiple_of(64) && last_work.elapsed() >= idle)
+                }
+            };
+            if attached && (spin || must_poll) {
                 // Re-reading avail.idx in a tight loop steals its cache line
                 // from the driver on every store; back off a little while idle.
                 for _ in 0..backoff {
@@ -371,6 +397,8 @@ impl Worker {
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 continue;
             }
+            idle_run = 0;
+            self.sleeps += 1;
             // Idle: ask for kicks, re-check, then sleep.
             if self.enable_notifications() {
                 self.disable_notifications();
@@ -392,6 +420,7 @@ impl Worker {
         }
         r.idle_iters = self.idle_iters;
         r.busy_iters = self.busy_iters;
+        r.sleeps = self.sleeps;
         r.backend = self.backend.stats();
         r
     }

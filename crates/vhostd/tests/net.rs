@@ -691,3 +691,47 @@ fn with_in_order_a_tx_batch_takes_one_used_entry_on_both_ring_layouts() {
         assert!(s.queue(1, "fast_chains") > 0);
     }
 }
+
+// ---- adaptive polling ----------------------------------------------------
+
+#[test]
+fn loopback_adaptive_mode() {
+    loopback_case(&["--mode", "adaptive"], true);
+}
+
+/// CPU time (user + system, in clock ticks of 10 ms) of process `pid`.
+fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the parenthesised command name; utime and stime are 14 and 15.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn adaptive_mode_spins_while_busy_and_sleeps_when_idle() {
+    for (args, idle_busy) in [(&["--mode", "adaptive", "--poll-idle-us", "200"][..], false), (&["--mode", "poll"][..], true)] {
+        let d = Daemon::start(&[&["--backend", "loopback"], args].concat());
+        let mut dev = d.connect();
+        let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
+        roundtrip(&mut rx, &mut tx, 500, 0);
+        // Connected, rings attached, no traffic: measure the CPU it burns.
+        let t0 = cpu_ticks(d.pid());
+        std::thread::sleep(Duration::from_secs(1));
+        let used = cpu_ticks(d.pid()) - t0;
+        if idle_busy {
+            assert!(used >= 50, "{args:?}: a polling worker spins when idle (used {used} of 100 ticks)");
+        } else {
+            assert!(used <= 5, "{args:?}: an idle adaptive worker sleeps (used {used} of 100 ticks)");
+        }
+        // And it still wakes for traffic.
+        roundtrip(&mut rx, &mut tx, 500, 1000);
+        drop((rx, tx));
+        dev.disconnect().unwrap();
+        // (A worker also sleeps before any ring is attached, in every mode.)
+        let sleeps: u64 = d.stop().workers[&0]["sleeps"].parse().unwrap();
+        if !idle_busy {
+            assert!(sleeps >= 2, "the adaptive worker slept between the two bursts ({sleeps})");
+        }
+    }
+}

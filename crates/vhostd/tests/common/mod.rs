@@ -139,6 +139,7 @@ impl Drop for Daemon {
 #[derive(Debug, Default)]
 pub struct Stats {
     pub queues: HashMap<usize, HashMap<String, String>>,
+    pub workers: HashMap<usize, HashMap<String, String>>,
     pub total: HashMap<String, String>,
 }
 
@@ -160,6 +161,8 @@ impl Stats {
                 s.total = kv;
             } else if let Some(q) = kv.get("queue").and_then(|q| q.parse().ok()) {
                 s.queues.insert(q, kv);
+            } else if let Some(w) = kv.get("worker").and_then(|w| w.parse().ok()) {
+                s.workers.insert(w, kv);
             }
         }
         assert!(!s.total.is_empty(), "no total line in vhostd output: {out}");
