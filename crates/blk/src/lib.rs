@@ -1,0 +1,1 @@
+//! The virtio-blk device.

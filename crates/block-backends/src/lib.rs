@@ -1,0 +1,165 @@
+//! Host-side block backends: where a virtio-blk device's requests go. A
+//! backend takes requests tagged by the device, runs them asynchronously
+//! and hands back completions by tag, in any order. Data moves straight
+//! between the guest's buffers (host addresses the device translated) and
+//! the backing store. Backends know nothing of virtqueues or virtio.
+
+mod file;
+mod null;
+
+pub use file::FileBackend;
+pub use null::NullBackend;
+
+/// A piece of guest memory at a host address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Buf {
+    /// Host address.
+    pub addr: *mut u8,
+    /// Bytes.
+    pub len: usize,
+}
+
+// SAFETY: a Buf is an address and a length; whoever dereferences it (the
+// kernel, through io_uring) is bound by `BlockBackend::queue`'s contract.
+unsafe impl Send for Buf {}
+
+/// What a request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Read `bufs` from `offset`.
+    Read,
+    /// Write `bufs` at `offset`.
+    Write,
+    /// Make completed writes durable.
+    Flush,
+    /// Deallocate `len` bytes at `offset` (reads may then return zeroes or
+    /// the old data; a file backend punches a hole).
+    Discard,
+    /// Make `len` bytes at `offset` read as zeroes; with `unmap` the backend
+    /// may deallocate them.
+    WriteZeroes {
+        /// The space may be deallocated.
+        unmap: bool,
+    },
+}
+
+/// One request. Offsets and lengths are in bytes; the device has checked
+/// them against the capacity and the sector size.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    /// The device's tag, returned in the completion.
+    pub tag: u64,
+    /// What to do.
+    pub op: Op,
+    /// Byte offset in the disk.
+    pub offset: u64,
+    /// Bytes for Discard and WriteZeroes (Read/Write: the sum of `bufs`).
+    pub len: u64,
+    /// Guest buffers for Read and Write, in order.
+    pub bufs: &'a [Buf],
+}
+
+/// A finished request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The request's tag.
+    pub tag: u64,
+    /// Bytes transferred (Read/Write; 0 for the others), or a negative errno.
+    pub result: i64,
+}
+
+/// What the device needs to know about the disk behind a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiskInfo {
+    /// Size in bytes (a multiple of 512).
+    pub capacity: u64,
+    /// Writes, discards and write-zeroes are refused.
+    pub read_only: bool,
+    /// Logical block size the backend needs requests aligned to (512, or
+    /// the file system's block size with O_DIRECT).
+    pub block_size: u32,
+    /// Discard is supported (and asked for).
+    pub discard: bool,
+    /// Write-zeroes is supported.
+    pub write_zeroes: bool,
+}
+
+/// Counters a block backend keeps of its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockStats {
+    /// Requests handed to the kernel (or completed at once).
+    pub submitted: u64,
+    /// Completions reaped.
+    pub completed: u64,
+    /// Completions with an error.
+    pub errors: u64,
+    /// Submission system calls (io_uring_enter).
+    pub submit_calls: u64,
+}
+
+/// A block backend for one request queue.
+pub trait BlockBackend: Send {
+    /// How many more requests may be queued now (in flight is bounded).
+    fn room(&self) -> usize;
+    /// Queues a request; it starts at the next `submit`. Fails (negative
+    /// errno, nothing queued) when there is no room or the request is not
+    /// supported by this backend.
+    ///
+    /// # Safety
+    /// Every `Buf` in `req.bufs` must stay valid for the access the op needs
+    /// (written by Read, read by Write) until the request's completion has
+    /// been returned by `reap`.
+    unsafe fn queue(&mut self, req: &Request<'_>) -> Result<(), i64>;
+    /// Starts everything queued since the last call (one system call).
+    fn submit(&mut self);
+    /// Appends finished requests to `out` without blocking.
+    fn reap(&mut self, out: &mut Vec<Completion>);
+    /// Blocks until at least one queued or submitted request has finished
+    /// (returns at once when none is in flight).
+    fn wait(&mut self);
+    /// Requests queued or submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+    /// A descriptor that polls readable when completions may be waiting,
+    /// for a dataplane that sleeps between kicks.
+    fn completion_fd(&self) -> Option<std::os::unix::io::RawFd> {
+        None
+    }
+    /// The backend's own counters.
+    fn stats(&self) -> BlockStats;
+}
+
+/// Which backend, from the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BlockSpec {
+    /// An image file (or block device) through io_uring.
+    File {
+        /// Path of the image.
+        path: std::path::PathBuf,
+        /// Open read-only; the device offers VIRTIO_BLK_F_RO.
+        readonly: bool,
+        /// O_DIRECT (bypass the page cache).
+        direct: bool,
+        /// Pass discards on (punch holes); else the device does not offer DISCARD.
+        discard: bool,
+    },
+    /// No storage: every request succeeds at once, reads leave the guest's
+    /// buffers as they were (like QEMU's null-co).
+    Null {
+        /// Capacity in bytes.
+        size: u64,
+    },
+}
+
+/// Opens the disk and builds one backend per request queue, each with at
+/// most `depth` requests in flight. Fails with a message naming the path
+/// (missing, not a regular file or block device, not readable/writable,
+/// size not a multiple of 512) before anything is left open.
+pub fn open(spec: &BlockSpec, queues: usize, depth: usize) -> std::io::Result<(DiskInfo, Vec<Box<dyn BlockBackend>>)> {
+    match spec {
+        BlockSpec::Null { size } => {
+            let info = DiskInfo { capacity: *size, read_only: false, block_size: 512, discard: true, write_zeroes: true };
+            Ok((info, (0..queues).map(|_| Box::new(NullBackend::new(depth)) as Box<dyn BlockBackend>).collect()))
+        }
+        BlockSpec::File { path, readonly, direct, discard } => file::open(path, *readonly, *direct, *discard, queues, depth),
+    }
+}
