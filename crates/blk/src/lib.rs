@@ -1,1 +1,608 @@
-//! The virtio-blk device.
+//! The virtio-blk device (virtio 1.2, section 5.2): reads requests from a
+//! virtqueue, checks them, runs them on a block backend and writes the
+//! status byte back. Requests run asynchronously, many per queue; the used
+//! ring is written in the order the chains were popped (a request that
+//! finishes early waits for the ones before it), which both ring layouts
+//! of `virtq` support.
+//!
+//! A request is one chain: a 16-byte device-readable header (type,
+//! reserved, sector), data (device-readable for OUT, DISCARD and
+//! WRITE_ZEROES; device-writable for IN and GET_ID), and a device-writable
+//! status byte last. Everything in it comes from the guest and is checked:
+//! a chain without a writable byte cannot be answered and is returned with
+//! length 0 and counted; every other bad request gets IOERR or UNSUPP.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use vhostd_block_backends::{BlockBackend, Buf, Completion, DiskInfo, Op, Request};
+use virtq::{copy_from_segs, copy_to_segs, Access, Batch, Queue, Seg};
+
+/// Request types.
+pub mod types {
+    pub const IN: u32 = 0;
+    pub const OUT: u32 = 1;
+    pub const FLUSH: u32 = 4;
+    pub const GET_ID: u32 = 8;
+    pub const DISCARD: u32 = 11;
+    pub const WRITE_ZEROES: u32 = 13;
+}
+
+/// Status byte values.
+pub mod status {
+    pub const OK: u8 = 0;
+    pub const IOERR: u8 = 1;
+    pub const UNSUPP: u8 = 2;
+}
+
+/// Feature bits.
+pub mod features {
+    pub const SIZE_MAX: u64 = 1 << 1;
+    pub const SEG_MAX: u64 = 1 << 2;
+    pub const RO: u64 = 1 << 5;
+    pub const BLK_SIZE: u64 = 1 << 6;
+    pub const FLUSH: u64 = 1 << 9;
+    pub const TOPOLOGY: u64 = 1 << 10;
+    pub const CONFIG_WCE: u64 = 1 << 11;
+    pub const MQ: u64 = 1 << 12;
+    pub const DISCARD: u64 = 1 << 13;
+    pub const WRITE_ZEROES: u64 = 1 << 14;
+}
+
+/// Sectors are 512 bytes whatever the block size.
+pub const SECTOR: u64 = 512;
+/// Header bytes (type, reserved, sector).
+pub const HEADER_LEN: usize = 16;
+/// Bytes of a GET_ID answer.
+pub const ID_LEN: usize = 20;
+/// Data segments a request may have (advertised as seg_max).
+pub const SEG_MAX: u32 = 128;
+/// Largest data segment (advertised as size_max).
+pub const SIZE_MAX: u32 = 1 << 20;
+/// Largest DISCARD / WRITE_ZEROES range in sectors (1 GiB).
+pub const MAX_RANGE_SECTORS: u32 = 1 << 21;
+/// Config space bytes served (up to write_zeroes_may_unmap and its padding).
+pub const CONFIG_LEN: usize = 60;
+/// Offset of `writeback` in the config space (CONFIG_WCE).
+const WRITEBACK_OFFSET: usize = 32;
+
+/// What stays across connections: the disk's shape and the cache mode.
+pub struct BlkDevice {
+    /// The disk behind the backends.
+    pub disk: DiskInfo,
+    /// Request queues.
+    pub queues: u16,
+    /// The GET_ID answer.
+    pub id: [u8; ID_LEN],
+    /// Write-back cache mode (the default); cleared by the driver through
+    /// the config space (CONFIG_WCE), writes are then flushed before they
+    /// complete.
+    pub writeback: AtomicBool,
+}
+
+impl BlkDevice {
+    /// A device over `disk` with `queues` request queues; `serial` (cut to
+    /// 20 bytes) answers GET_ID.
+    pub fn new(disk: DiskInfo, queues: u16, serial: &str) -> BlkDevice {
+        let mut id = [0u8; ID_LEN];
+        let n = serial.len().min(ID_LEN);
+        id[..n].copy_from_slice(&serial.as_bytes()[..n]);
+        BlkDevice { disk, queues, id, writeback: AtomicBool::new(true) }
+    }
+
+    /// Device feature bits (ring features are the caller's).
+    pub fn features(&self) -> u64 {
+        let mut f = features::SIZE_MAX
+            | features::SEG_MAX
+            | features::BLK_SIZE
+            | features::FLUSH
+            | features::TOPOLOGY
+            | features::CONFIG_WCE
+            | features::MQ;
+        if self.disk.read_only {
+            f |= features::RO;
+        } else {
+            if self.disk.discard {
+                f |= features::DISCARD;
+            }
+            if self.disk.write_zeroes {
+                f |= features::WRITE_ZEROES;
+            }
+        }
+        f
+    }
+
+    /// The config space (little-endian, as virtio 1.x lays it out).
+    pub fn config(&self) -> [u8; CONFIG_LEN] {
+        let mut c = [0u8; CONFIG_LEN];
+        let put32 = |c: &mut [u8; CONFIG_LEN], off: usize, v: u32| c[off..off + 4].copy_from_slice(&v.to_le_bytes());
+        c[0..8].copy_from_slice(&(self.disk.capacity / SECTOR).to_le_bytes());
+        put32(&mut c, 8, SIZE_MAX);
+        put32(&mut c, 12, SEG_MAX);
+        // geometry (16..20) stays zero: no legacy CHS.
+        put32(&mut c, 20, self.disk.block_size);
+        // topology: physical block exponent (physical = logical here),
+        // alignment offset 0, min_io_size 1 logical block, opt_io_size 0.
+        c[24] = 0;
+        c[26..28].copy_from_slice(&1u16.to_le_bytes());
+        c[WRITEBACK_OFFSET] = self.writeback.load(Ordering::Relaxed) as u8;
+        c[34..36].copy_from_slice(&self.queues.to_le_bytes());
+        let align = (self.disk.block_size as u64 / SECTOR).max(1) as u32;
+        put32(&mut c, 36, MAX_RANGE_SECTORS);
+        put32(&mut c, 40, 1);
+        put32(&mut c, 44, align);
+        put32(&mut c, 48, MAX_RANGE_SECTORS);
+        put32(&mut c, 52, 1);
+        c[56] = self.disk.discard as u8;
+        c
+    }
+
+    /// A driver write to the config space: only `writeback` is writable.
+    /// Returns false for anything else.
+    pub fn set_config(&self, offset: usize, data: &[u8]) -> bool {
+        if offset == WRITEBACK_OFFSET && data.len() == 1 && data[0] <= 1 {
+            self.writeback.store(data[0] == 1, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+}
+
+/// Counters of one request queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlkStats {
+    pub reads: u64,
+    pub writes: u64,
+    pub flushes: u64,
+    pub discards: u64,
+    pub write_zeroes: u64,
+    pub get_ids: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Requests answered IOERR (bad request, or the backend failed).
+    pub ioerr: u64,
+    /// Requests answered UNSUPP (unknown type, feature not offered).
+    pub unsupp: u64,
+    /// Chains with no writable byte for a status: returned with length 0.
+    pub no_status: u64,
+    /// Requests past the capacity.
+    pub out_of_range: u64,
+    /// Writes, discards or write-zeroes refused on a read-only disk.
+    pub read_only: u64,
+    /// Requests whose data length or range is not whole sectors.
+    pub misaligned: u64,
+    /// Backend completions with an error.
+    pub backend_errors: u64,
+    /// Passes that popped or completed something.
+    pub batches: u64,
+    /// Most requests in flight at once.
+    pub max_in_flight: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Free,
+    /// Handed to the backend.
+    Running,
+    /// Running a write, then a flush (write-through mode).
+    RunningThenFlush,
+    /// Finished; waiting for the requests before it.
+    Done,
+}
+
+/// A request in flight.
+struct Slot {
+    stage: Stage,
+    head: u16,
+    /// Host address of the status byte (None: the chain has none).
+    status_at: Option<*mut u8>,
+    status: u8,
+    /// Bytes written into the chain (IN data, GET_ID), plus the status byte.
+    used_len: u32,
+    kind: u32,
+    /// Data bytes of a read or write.
+    bytes: u64,
+    bufs: Vec<Buf>,
+}
+
+/// One request queue's in-flight state and its backend.
+pub struct BlkQueue {
+    backend: Box<dyn BlockBackend>,
+    slots: Vec<Slot>,
+    /// Sequence numbers: `oldest` is the next to complete, `next` the next
+    /// to pop; slot = seq % slots.len().
+    oldest: u64,
+    next: u64,
+    completions: Vec<Completion>,
+    /// The device's counters.
+    pub stats: BlkStats,
+}
+
+// SAFETY: the raw pointers in the slots point into guest memory that the
+// queue's GuestMemory keeps mapped; a BlkQueue moves between threads only
+// with its queue, and the session drains it before the memory changes.
+unsafe impl Send for BlkQueue {}
+
+impl BlkQueue {
+    /// In-flight state for `backend`, with at most `depth` requests (a power
+    /// of two is not needed).
+    pub fn new(backend: Box<dyn BlockBackend>, depth: usize) -> BlkQueue {
+        let depth = depth.max(1);
+        let slots = (0..depth)
+            .map(|_| Slot {
+                stage: Stage::Free,
+                head: 0,
+                status_at: None,
+                status: 0,
+                used_len: 0,
+                kind: 0,
+                bytes: 0,
+                bufs: Vec::with_capacity(SEG_MAX as usize),
+            })
+            .collect();
+        BlkQueue { backend, slots, oldest: 0, next: 0, completions: Vec::with_capacity(depth), stats: BlkStats::default() }
+    }
+
+    /// Requests popped and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        (self.next - self.oldest) as usize
+    }
+
+    /// The backend's completion descriptor (for a sleeping dataplane).
+    pub fn completion_fd(&self) -> Option<std::os::unix::io::RawFd> {
+        self.backend.completion_fd()
+    }
+
+    /// The backend's counters.
+    pub fn backend_stats(&self) -> vhostd_block_backends::BlockStats {
+        self.backend.stats()
+    }
+
+    /// One pass: completes what the backend finished, then pops and starts
+    /// new requests. Returns requests started or completed.
+    pub fn process(&mut self, q: &mut Queue, batch: &mut Batch, dev: &BlkDevice) -> usize {
+        let mut work = self.reap();
+        let room = (self.slots.len() - self.in_flight()).min(self.backend.room());
+        if room > 0 && !q.is_broken() {
+            let n = q.pop_batch(batch, room, Access::ReadThenWrite);
+            for chain in &batch.chains {
+                let readable = batch.readable(chain);
+                let writable = batch.writable(chain);
+                self.start(chain.head, chain.read_len, readable, writable, dev);
+            }
+            if n > 0 {
+                self.backend.submit();
+                work += n;
+            }
+        }
+        work += self.complete_in_order(q);
+        if work > 0 {
+            self.stats.batches += 1;
+            self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight() as u64);
+        }
+        work
+    }
+
+    /// Waits for every request in flight and completes them (before the
+    /// ring is handed back or the memory table changes).
+    pub fn drain(&mut self, q: &mut Queue, dev: &BlkDevice) {
+        let _ = dev;
+        while self.backend.in_flight() > 0 {
+            self.backend.wait();
+            self.reap();
+        }
+        self.reap();
+        // The backend has nothing left: a request still running was lost
+        // (cannot happen with a correct backend); answer it IOERR rather
+        // than keep pointers into memory that is about to go.
+        for slot in self.slots.iter_mut() {
+            if matches!(slot.stage, Stage::Running | Stage::RunningThenFlush) {
+                slot.stage = Stage::Done;
+                slot.status = status::IOERR;
+                self.stats.ioerr += 1;
+            }
+        }
+        self.complete_in_order(q);
+    }
+
+    /// Takes the backend's completions into their slots. Returns how many.
+    fn reap(&mut self) -> usize {
+        self.completions.clear();
+        self.backend.reap(&mut self.completions);
+        let n = self.completions.len();
+        let mut resubmit = false;
+        for i in 0..n {
+            let c = self.completions[i];
+            let len = self.slots.len();
+            let Some(slot) = self.slots.get_mut((c.tag % len as u64) as usize) else { continue };
+            match slot.stage {
+                Stage::Running | Stage::RunningThenFlush if c.result < 0 => {
+                    self.stats.backend_errors += 1;
+                    self.stats.ioerr += 1;
+                    slot.status = status::IOERR;
+                    slot.stage = Stage::Done;
+                }
+                Stage::RunningThenFlush => {
+                    // The write is in; now make it durable.
+                    let req = Request { tag: c.tag, op: Op::Flush, offset: 0, len: 0, bufs: &[] };
+                    // SAFETY: a flush carries no buffers.
+                    if unsafe { self.backend.queue(&req) }.is_ok() {
+                        slot.stage = Stage::Running;
+                        resubmit = true;
+                    } else {
+                        slot.status = status::IOERR;
+                        self.stats.ioerr += 1;
+                        slot.stage = Stage::Done;
+                    }
+                }
+                Stage::Running => {
+                    slot.status = status::OK;
+                    slot.stage = Stage::Done;
+                }
+                Stage::Free | Stage::Done => {}
+            }
+        }
+        if resubmit {
+            self.backend.submit();
+        }
+        n
+    }
+
+    /// Writes status bytes and used entries for the oldest finished
+    /// requests, in pop order. Returns how many.
+    fn complete_in_order(&mut self, q: &mut Queue) -> usize {
+        let mut n = 0;
+        let len = self.slots.len() as u64;
+        while self.oldest < self.next {
+            let slot = &mut self.slots[(self.oldest % len) as usize];
+            if slot.stage != Stage::Done {
+                break;
+            }
+            if let Some(p) = slot.status_at {
+                // SAFETY: p is the last writable byte of the chain, inside a
+                // segment the queue translated into mapped guest memory.
+                unsafe { std::ptr::write_volatile(p, slot.status) };
+            }
+            let used = if slot.status_at.is_some() {
+                if slot.status == status::OK { slot.used_len } else { 1 }
+            } else {
+                0
+            };
+            if slot.status == status::OK {
+                match slot.kind {
+                    types::IN => self.stats.bytes_read += slot.bytes,
+                    types::OUT => self.stats.bytes_written += slot.bytes,
+                    _ => {}
+                }
+            }
+            q.add_used(slot.head, used);
+            slot.stage = Stage::Free;
+            slot.bufs.clear();
+            self.oldest += 1;
+            n += 1;
+        }
+        if n > 0 {
+            q.publish_used();
+        }
+        n
+    }
+
+    /// Parses one chain and starts it (or finishes it at once).
+    fn start(&mut self, head: u16, read_len: u32, readable: &[Seg], writable: &[Seg], dev: &BlkDevice) {
+        let len = self.slots.len() as u64;
+        let seq = self.next;
+        self.next += 1;
+        let slot = &mut self.slots[(seq % len) as usize];
+        slot.head = head;
+        slot.bufs.clear();
+        slot.used_len = 1;
+        slot.bytes = 0;
+        slot.stage = Stage::Done;
+        // The status byte: the last byte of the last writable segment.
+        let Some(last) = writable.last() else {
+            slot.status_at = None;
+            slot.status = status::IOERR;
+            self.stats.no_status += 1;
+            return;
+        };
+        // SAFETY: segments are never empty, so len - 1 is inside it.
+        slot.status_at = Some(unsafe { last.addr.add(last.len as usize - 1) });
+        let mut hdr = [0u8; HEADER_LEN];
+        if (read_len as usize) < HEADER_LEN || copy_from_segs(readable, 0, &mut hdr) < HEADER_LEN {
+            slot.status = status::IOERR;
+            self.stats.ioerr += 1;
+            return;
+        }
+        let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+        let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or([0; 8]));
+        slot.kind = kind;
+        let disk = &dev.disk;
+        let fail = |slot: &mut Slot, st: u8, stats: &mut BlkStats| {
+            slot.status = st;
+            if st == status::UNSUPP {
+                stats.unsupp += 1;
+            } else {
+                stats.ioerr += 1;
+            }
+        };
+        let op = match kind {
+            types::IN | types::OUT => {
+                let out = kind == types::OUT;
+                if out {
+                    self.stats.writes += 1;
+                } else {
+                    self.stats.reads += 1;
+                }
+                if out && disk.read_only {
+                    self.stats.read_only += 1;
+                    return fail(slot, status::IOERR, &mut self.stats);
+                }
+                // OUT data: readable bytes after the header; IN data:
+                // writable bytes before the status byte.
+                let ok = if out {
+                    collect(readable, HEADER_LEN, usize::MAX, &mut slot.bufs)
+                } else {
+                    let wl: usize = writable.iter().map(|s| s.len as usize).sum();
+                    collect(writable, 0, wl - 1, &mut slot.bufs)
+                };
+                if !ok {
+                    return fail(slot, status::IOERR, &mut self.stats);
+                }
+                let bytes: u64 = slot.bufs.iter().map(|b| b.len as u64).sum();
+                if !bytes.is_multiple_of(SECTOR) {
+                    self.stats.misaligned += 1;
+                    return fail(slot, status::IOERR, &mut self.stats);
+                }
+                let Some(offset) = in_range(sector, bytes, disk.capacity) else {
+                    self.stats.out_of_range += 1;
+                    return fail(slot, status::IOERR, &mut self.stats);
+                };
+                if bytes == 0 {
+                    slot.status = status::OK;
+                    return;
+                }
+                slot.bytes = bytes;
+                if !out {
+                    slot.used_len = bytes as u32 + 1;
+                }
+                let write_through = out && !dev.writeback.load(Ordering::Relaxed);
+                (if out { Op::Write } else { Op::Read }, offset, bytes, write_through)
+            }
+            types::FLUSH => {
+                self.stats.flushes += 1;
+                (Op::Flush, 0, 0, false)
+            }
+            types::GET_ID => {
+                self.stats.get_ids += 1;
+                let wl: usize = writable.iter().map(|s| s.len as usize).sum();
+                let room = (wl - 1).min(ID_LEN);
+                let n = copy_to_segs(writable, 0, &dev.id[..room]);
+                slot.used_len = n as u32 + 1;
+                slot.status = status::OK;
+                return;
+            }
+            types::DISCARD | types::WRITE_ZEROES => {
+                let discard = kind == types::DISCARD;
+                if discard {
+                    self.stats.discards += 1;
+                } else {
+                    self.stats.write_zeroes += 1;
+                }
+                let offered = if discard { disk.discard } else { disk.write_zeroes };
+                if !offered {
+                    return fail(slot, status::UNSUPP, &mut self.stats);
+                }
+                if disk.read_only {
+                    self.stats.read_only += 1;
+                    return fail(slot, status::IOERR, &mut self.stats);
+                }
+                // Exactly one range (max_discard_seg / max_write_zeroes_seg = 1).
+                let mut r = [0u8; 16];
+                if read_len as usize != HEADER_LEN + 16 || copy_from_segs(readable, HEADER_LEN, &mut r) != 16 {
+                    return fail(slot, status::UNSUPP, &mut self.stats);
+                }
+                let start = u64::from_le_bytes(r[0..8].try_into().unwrap_or([0; 8]));
+                let count = u32::from_le_bytes(r[8..12].try_into().unwrap_or([0; 4]));
+                let flags = u32::from_le_bytes(r[12..16].try_into().unwrap_or([0; 4]));
+                // Discard takes no flags; write-zeroes only UNMAP (bit 0).
+                if (discard && flags != 0) || (!discard && flags & !1 != 0) {
+                    return fail(slot, status::UNSUPP, &mut self.stats);
+                }
+                if count > MAX_RANGE_SECTORS {
+                    return fail(slot, status::IOERR, &mut self.stats);
+                }
+                let bytes = count as u64 * SECTOR;
+                let Some(offset) = in_range(start, bytes, disk.capacity) else {
+                    self.stats.out_of_range += 1;
+                    return fail(slot, status::IOERR, &mut self.stats);
+                };
+                if bytes == 0 {
+                    slot.status = status::OK;
+                    return;
+                }
+                let op = if discard { Op::Discard } else { Op::WriteZeroes { unmap: flags & 1 != 0 } };
+                (op, offset, bytes, false)
+            }
+            _ => return fail(slot, status::UNSUPP, &mut self.stats),
+        };
+        let (op, offset, bytes, write_through) = op;
+        let req = Request { tag: seq, op, offset, len: bytes, bufs: &slot.bufs };
+        // SAFETY: the bufs are segments of a chain the guest handed us; the
+        // queue's GuestMemory keeps them mapped, and the chain stays ours
+        // until complete_in_order returns it, which happens only after the
+        // backend reported this request done (drain waits for all).
+        match unsafe { self.backend.queue(&req) } {
+            Ok(()) => {
+                slot.stage = if write_through { Stage::RunningThenFlush } else { Stage::Running };
+            }
+            Err(_) => {
+                self.stats.backend_errors += 1;
+                fail(slot, status::IOERR, &mut self.stats);
+            }
+        }
+    }
+}
+
+/// Byte offset of `sector` if `bytes` from there stay inside `capacity`.
+fn in_range(sector: u64, bytes: u64, capacity: u64) -> Option<u64> {
+    let offset = sector.checked_mul(SECTOR)?;
+    (offset.checked_add(bytes)? <= capacity).then_some(offset)
+}
+
+/// The bytes of `segs` from `skip` on, `limit` at most, as backend buffers.
+/// False if there are more than SEG_MAX pieces or a piece is above SIZE_MAX
+/// (both advertised to the driver).
+fn collect(segs: &[Seg], mut skip: usize, mut limit: usize, out: &mut Vec<Buf>) -> bool {
+    for s in segs {
+        if limit == 0 {
+            break;
+        }
+        let len = s.len as usize;
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        let take = (len - skip).min(limit);
+        if out.len() == SEG_MAX as usize || take > SIZE_MAX as usize {
+            return false;
+        }
+        // SAFETY: skip < len, so the address is inside the segment.
+        out.push(Buf { addr: unsafe { s.addr.add(skip) }, len: take });
+        limit -= take;
+        skip = 0;
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges() {
+        assert_eq!(in_range(0, 512, 1024), Some(0));
+        assert_eq!(in_range(1, 512, 1024), Some(512));
+        assert_eq!(in_range(2, 512, 1024), None);
+        assert_eq!(in_range(u64::MAX / 256, 512, u64::MAX), None);
+        assert_eq!(in_range(u64::MAX, 0, u64::MAX), None);
+    }
+
+    #[test]
+    fn config_layout() {
+        let disk = DiskInfo { capacity: 1 << 20, read_only: false, block_size: 4096, discard: true, write_zeroes: true };
+        let dev = BlkDevice::new(disk, 2, "vhostd-test");
+        let c = dev.config();
+        assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 2048);
+        assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 4096);
+        assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 2);
+        assert_eq!(u32::from_le_bytes(c[44..48].try_into().unwrap()), 8);
+        assert_eq!(c[32], 1);
+        assert!(dev.set_config(32, &[0]));
+        assert_eq!(dev.config()[32], 0);
+        assert!(!dev.set_config(0, &[0]));
+        assert!(!dev.set_config(32, &[2]));
+        assert_ne!(dev.features() & features::DISCARD, 0);
+        let ro = BlkDevice::new(DiskInfo { read_only: true, ..disk }, 1, "x");
+        assert_eq!(ro.features() & (features::DISCARD | features::WRITE_ZEROES), 0);
+        assert_ne!(ro.features() & features::RO, 0);
+    }
+}

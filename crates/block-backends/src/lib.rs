@@ -7,7 +7,7 @@
 mod file;
 mod null;
 
-pub use file::FileBackend;
+pub use file::{FileBackend, MAX_SEGS};
 pub use null::NullBackend;
 
 /// A piece of guest memory at a host address.

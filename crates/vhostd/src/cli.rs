@@ -4,6 +4,7 @@
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use std::path::PathBuf;
 use vhostd_backends::{AfXdpSpec, BackendKind, TapSpec, XdpMode};
+use vhostd_block_backends::BlockSpec;
 
 /// vhost-user device daemon: serves virtio devices to a VMM over a
 /// vhost-user socket, moving packets on its own dataplane threads.
@@ -18,6 +19,8 @@ pub struct Cli {
 pub enum Command {
     /// Serve a virtio-net device.
     Net(NetArgs),
+    /// Serve a virtio-blk device.
+    Blk(BlkArgs),
     /// Do the privileged AF_XDP set-up (sockets, XDP program, XSKMAP), then
     /// run COMMAND (e.g. setpriv ... vhostd net ...) with the sockets
     /// inherited: `{sock-fds}` in its arguments becomes their numbers.
@@ -262,6 +265,135 @@ pub struct NetArgs {
     pub pkt_size: u32,
 }
 
+#[derive(Args, Debug)]
+pub struct BlkArgs {
+    /// Unix socket to listen on for the vhost-user frontend (created; removed on exit).
+    #[arg(long, value_name = "PATH")]
+    pub socket_path: PathBuf,
+    /// Block backend: file,path=IMG[,readonly=on][,direct=on][,discard=on]
+    /// (an image file or block device through io_uring; direct: O_DIRECT;
+    /// discard: pass discards on as hole punching) or null,size=SIZE (no
+    /// storage: every request succeeds; SIZE in bytes or with K, M, G, T).
+    #[arg(long, value_parser = parse_blk_backend, value_name = "BACKEND")]
+    pub backend: BlockSpec,
+    /// Request queues (one dataplane thread each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub queues: u16,
+    /// Largest ring size the frontend may set (a power of two, 1..=32768).
+    #[arg(long, default_value_t = 1024, value_parser = parse_queue_size)]
+    pub queue_size: u16,
+    /// How dataplane threads wait for work (see `vhostd net --help`).
+    #[arg(long, value_enum, default_value_t = WaitMode::Interrupt)]
+    pub mode: WaitMode,
+    /// Same as --mode poll.
+    #[arg(long, conflicts_with = "mode")]
+    pub poll: bool,
+    /// Adaptive mode: microseconds without work before sleeping (1..=1000000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub poll_idle_us: u64,
+    /// CPUs to pin the dataplane threads to, e.g. "0", "0,1" or "0-3".
+    #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
+    pub cpus: Option<CpuList>,
+    /// Serial number the guest reads with GET_ID (up to 20 bytes; default:
+    /// the image's file name, or "vhostd-null").
+    #[arg(long, value_parser = parse_serial)]
+    pub serial: Option<String>,
+}
+
+impl BlkArgs {
+    /// GET_ID's answer when --serial is not given.
+    pub fn default_serial(&self) -> String {
+        match &self.backend {
+            BlockSpec::File { path, .. } => {
+                let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                name.chars().take(20).collect()
+            }
+            BlockSpec::Null { .. } => "vhostd-null".into(),
+        }
+    }
+
+    /// The backend for the log.
+    pub fn backend_description(&self) -> String {
+        match &self.backend {
+            BlockSpec::File { path, direct, discard, .. } => format!(
+                "file {}{}{}",
+                path.display(),
+                if *direct { ", O_DIRECT" } else { "" },
+                if *discard { ", discard=on" } else { "" }
+            ),
+            BlockSpec::Null { .. } => "null".into(),
+        }
+    }
+}
+
+fn parse_serial(s: &str) -> Result<String, String> {
+    if s.len() > 20 || !s.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(format!("expected up to 20 printable ASCII characters without spaces, got '{s}'"));
+    }
+    Ok(s.to_string())
+}
+
+/// A size in bytes: a number with an optional K, M, G or T suffix (powers of 1024).
+fn parse_size(what: &str, s: &str) -> Result<u64, String> {
+    let bad = || format!("{what} '{s}': expected a size in bytes like 1048576, 512K, 64M or 1G, a multiple of 512");
+    let (num, shift) = match s.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(bad()),
+            };
+            (&s[..i], shift)
+        }
+        _ => (s, 0),
+    };
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let bytes = n.checked_mul(1u64 << shift).ok_or_else(bad)?;
+    if bytes == 0 || !bytes.is_multiple_of(512) {
+        return Err(bad());
+    }
+    Ok(bytes)
+}
+
+fn parse_blk_backend(s: &str) -> Result<BlockSpec, String> {
+    let mut parts = s.split(',');
+    let kind = parts.next().unwrap_or_default();
+    let rest: Vec<&str> = parts.collect();
+    match kind {
+        "null" => {
+            let mut size = None;
+            for (key, value) in key_values("null", &rest)? {
+                match key {
+                    "size" => size = Some(parse_size("null size", value)?),
+                    _ => return Err(format!("unknown null option '{key}' (known: size)")),
+                }
+            }
+            let size = size.ok_or("null needs size=SIZE")?;
+            Ok(BlockSpec::Null { size })
+        }
+        "file" => {
+            let (mut path, mut readonly, mut direct, mut discard) = (None, false, false, false);
+            for (key, value) in key_values("file", &rest)? {
+                match key {
+                    "path" if !value.is_empty() => path = Some(PathBuf::from(value)),
+                    "path" => return Err("file path: expected the image's path".into()),
+                    "readonly" => readonly = on_off("file readonly", value)?,
+                    "direct" => direct = on_off("file direct", value)?,
+                    "discard" => discard = on_off("file discard", value)?,
+                    _ => return Err(format!("unknown file option '{key}' (known: path, readonly, direct, discard)")),
+                }
+            }
+            let path = path.ok_or("file needs path=IMG")?;
+            Ok(BlockSpec::File { path, readonly, direct, discard })
+        }
+        _ => Err(format!(
+            "unknown blk backend '{kind}': expected file,path=IMG[,readonly=on][,direct=on][,discard=on] or null,size=SIZE"
+        )),
+    }
+}
+
 /// How dataplane threads wait for work (`--mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum WaitMode {
@@ -460,6 +592,29 @@ mod tests {
         assert!(err("tap,ifname=v,ifname=w").contains("tap option 'ifname' given twice"));
         assert!(err("tap,offloads").contains("tap option 'offloads' is not key=value"));
         assert!(AfXdpSpec { queues: Some(2), ..AfXdpSpec::new("v") }.check(1).unwrap_err().contains("--queues"));
+    }
+
+    #[test]
+    fn blk_backends() {
+        assert_eq!(parse_blk_backend("null,size=1G").unwrap(), BlockSpec::Null { size: 1 << 30 });
+        assert_eq!(parse_blk_backend("null,size=4096").unwrap(), BlockSpec::Null { size: 4096 });
+        let f = parse_blk_backend("file,path=/tmp/x.img,readonly=on,direct=on,discard=on").unwrap();
+        assert_eq!(f, BlockSpec::File { path: "/tmp/x.img".into(), readonly: true, direct: true, discard: true });
+        let err = |a: &str| parse_blk_backend(a).unwrap_err();
+        assert!(err("null").contains("needs size"));
+        assert!(err("null,size=1000").contains("multiple of 512"));
+        assert!(err("null,size=0").contains("multiple of 512"));
+        assert!(err("null,size=1X").contains("null size '1X'"));
+        assert!(err("null,size=99999999999T").contains("expected a size"));
+        assert!(err("file").contains("needs path"));
+        assert!(err("file,path=").contains("image's path"));
+        assert!(err("file,path=a,readonly=yes").contains("on or off"));
+        assert!(err("file,path=a,path=b").contains("given twice"));
+        assert!(err("file,path=a,cache=none").contains("unknown file option"));
+        assert!(err("disk").contains("unknown blk backend"));
+        assert!(parse_serial("abc").is_ok());
+        assert!(parse_serial("a b").is_err());
+        assert!(parse_serial("123456789012345678901").is_err());
     }
 
     #[test]

@@ -15,6 +15,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let result = match args.command {
         cli::Command::Net(net) => server::run_net(net),
+        cli::Command::Blk(blk) => server::run_blk(blk),
         // Returns only if it could not run the command.
         cli::Command::XdpHelper(h) => xdp_helper::run(h),
     };

@@ -11,9 +11,10 @@ use std::sync::{Arc, Mutex};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use vhostd_net::CtrlState;
 
-use crate::cli::{NetArgs, WaitMode};
+use crate::cli::{BlkArgs, NetArgs, WaitMode};
 use crate::session::{Device, Session};
-use crate::worker::{self, Mode, Shared, WorkerReport};
+use crate::worker::{self, Engine, Mode, Shared, WorkerReport};
+use vhostd_blk::{BlkDevice, BlkQueue};
 
 /// Removes the socket file when dropped (also on error paths).
 struct SocketFile(PathBuf);
@@ -207,7 +208,7 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, signals: &Signals) -> io::Result<b
         if wait_readable(&[conn.as_raw_fd(), signals.0])? == 1 {
             match signals.take() {
                 SignalAsk::Stop => break true,
-                SignalAsk::PrintStats => print_stats(&dev.workers.iter().map(|w| w.report()).collect::<Vec<_>>()),
+                SignalAsk::PrintStats => print_any_stats(dev),
                 SignalAsk::Nothing => {}
             }
             continue;
@@ -267,7 +268,6 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
     // The XDP program stays attached while this lives: until we return.
     let _af_xdp = backends.af_xdp;
     let listener = bind(&args.socket_path)?;
-    let _socket_file = SocketFile(args.socket_path.clone());
     let shared = Arc::new(Shared {
         active_pairs: AtomicU16::new(args.queues),
         ctrl: Mutex::new(CtrlState::new(args.queues, mac)),
@@ -277,17 +277,11 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
         link: backends.link,
         wakers: std::sync::OnceLock::new(),
     });
-    let mode = match (args.poll, args.mode) {
-        (true, _) | (false, WaitMode::Poll) => Mode::Poll,
-        (false, WaitMode::Interrupt) => Mode::Interrupt,
-        (false, WaitMode::Adaptive) => {
-            Mode::Adaptive { idle: std::time::Duration::from_micros(args.poll_idle_us) }
-        }
-    };
+    let mode = wait_mode(args.poll, args.mode, args.poll_idle_us);
     let mut workers = Vec::new();
     for (pair, backend) in backends.queues.into_iter().enumerate() {
         let cpu = args.cpus.as_ref().map(|l| l.0[pair % l.0.len()]);
-        workers.push(worker::spawn(pair as u16, backend, mode, cpu, shared.clone())?);
+        workers.push(worker::spawn(pair as u16, Engine::Net(backend), mode, cpu, shared.clone())?);
     }
     let _ = shared.wakers.set(workers.iter().map(|w| w.waker()).collect::<io::Result<_>>()?);
     let dev = Arc::new(Device {
@@ -295,15 +289,81 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
         max_queue_size: args.queue_size,
         mac,
         offload_features,
+        blk: None,
         workers,
         shared,
     });
-    eprintln!("vhostd: listening on {}", args.socket_path.display());
+    run_device(listener, &args.socket_path, dev, signals)
+}
+
+fn wait_mode(poll: bool, mode: WaitMode, poll_idle_us: u64) -> Mode {
+    match (poll, mode) {
+        (true, _) | (false, WaitMode::Poll) => Mode::Poll,
+        (false, WaitMode::Interrupt) => Mode::Interrupt,
+        (false, WaitMode::Adaptive) => Mode::Adaptive { idle: std::time::Duration::from_micros(poll_idle_us) },
+    }
+}
+
+/// Runs the blk device until SIGINT/SIGTERM.
+pub fn run_blk(args: BlkArgs) -> io::Result<()> {
+    let signals = Signals::new()?;
+    // The disk first: a path that cannot be opened leaves nothing behind.
+    let (disk, backends) = vhostd_block_backends::open(&args.backend, args.queues as usize, BACKEND_DEPTH)?;
+    let serial = args.serial.clone().unwrap_or_else(|| args.default_serial());
+    let blk = Arc::new(BlkDevice::new(disk, args.queues, &serial));
+    tracing::info!(
+        "blk: {}, {} bytes ({} sectors), block size {}, {}{}{}, {} queue(s)",
+        args.backend_description(),
+        disk.capacity,
+        disk.capacity / 512,
+        disk.block_size,
+        if disk.read_only { "read-only" } else { "read-write" },
+        if disk.discard { ", discard" } else { "" },
+        if disk.write_zeroes { ", write-zeroes" } else { "" },
+        args.queues
+    );
+    let listener = bind(&args.socket_path)?;
+    let shared = Arc::new(Shared {
+        active_pairs: AtomicU16::new(args.queues),
+        ctrl: Mutex::new(CtrlState::new(args.queues, [0; 6])),
+        needs_reset: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+        tap: None,
+        link: None,
+        wakers: std::sync::OnceLock::new(),
+    });
+    let mode = wait_mode(args.poll, args.mode, args.poll_idle_us);
+    let mut workers = Vec::new();
+    for (i, backend) in backends.into_iter().enumerate() {
+        let cpu = args.cpus.as_ref().map(|l| l.0[i % l.0.len()]);
+        let engine = Engine::Blk { queue: Box::new(BlkQueue::new(backend, BACKEND_DEPTH)), dev: blk.clone() };
+        workers.push(worker::spawn(i as u16, engine, mode, cpu, shared.clone())?);
+    }
+    let dev = Arc::new(Device {
+        pairs: args.queues,
+        max_queue_size: args.queue_size,
+        mac: [0; 6],
+        offload_features: 0,
+        blk: Some(blk),
+        workers,
+        shared,
+    });
+    run_device(listener, &args.socket_path, dev, signals)
+}
+
+/// Requests in flight per blk queue, at most.
+const BACKEND_DEPTH: usize = 256;
+
+/// Serves frontends one after the other until SIGINT/SIGTERM, then stops
+/// the workers and prints their counters. The socket file goes on return.
+fn run_device(listener: UnixListener, socket_path: &Path, dev: Arc<Device>, signals: Signals) -> io::Result<()> {
+    let _socket_file = SocketFile(socket_path.to_path_buf());
+    eprintln!("vhostd: listening on {}", socket_path.display());
     loop {
         if wait_readable(&[listener.as_raw_fd(), signals.0])? == 1 {
             match signals.take() {
                 SignalAsk::Stop => break,
-                SignalAsk::PrintStats => print_stats(&dev.workers.iter().map(|w| w.report()).collect::<Vec<_>>()),
+                SignalAsk::PrintStats => print_any_stats(&dev),
                 SignalAsk::Nothing => {}
             }
             continue;
@@ -323,9 +383,57 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
     tracing::info!("stopping");
     dev.shared.stop.store(true, Ordering::Release);
     let dev = Arc::try_unwrap(dev).map_err(|_| io::Error::other("device still in use at shutdown"))?;
+    let blk = dev.blk.is_some();
     let reports: Vec<WorkerReport> = dev.workers.into_iter().map(|w| w.join()).collect();
-    print_stats(&reports);
+    if blk {
+        print_blk_stats(&reports);
+    } else {
+        print_stats(&reports);
+    }
     Ok(())
+}
+
+/// A blk device's counters: one line per request queue and a total.
+fn print_blk_stats(reports: &[WorkerReport]) {
+    let mut out = String::new();
+    let mut t = vhostd_blk::BlkStats::default();
+    let mut cycles = 0;
+    for r in reports {
+        let ring = &r.rings[0];
+        let b = &ring.blk;
+        out += &format!(
+            "stats queue={} reads={} writes={} flushes={} discards={} write_zeroes={} get_ids={} bytes_read={} bytes_written={} ioerr={} unsupp={} no_status={} out_of_range={} read_only={} misaligned={} backend_errors={} bad_chains={} batches={} max_in_flight={} kicks={} notifies={} busy_cycles={} submit_calls={} sleeps={}\n",
+            r.pair, b.reads, b.writes, b.flushes, b.discards, b.write_zeroes, b.get_ids, b.bytes_read, b.bytes_written,
+            b.ioerr, b.unsupp, b.no_status, b.out_of_range, b.read_only, b.misaligned, b.backend_errors,
+            ring.queue.bad_chains, b.batches, b.max_in_flight, ring.kicks, ring.notifies, ring.busy_cycles,
+            r.blk_backend.submit_calls, r.sleeps
+        );
+        t.reads += b.reads;
+        t.writes += b.writes;
+        t.ioerr += b.ioerr + ring.queue.bad_chains;
+        t.unsupp += b.unsupp;
+        t.no_status += b.no_status;
+        t.bytes_read += b.bytes_read;
+        t.bytes_written += b.bytes_written;
+        cycles += ring.busy_cycles;
+    }
+    let ios = t.reads + t.writes;
+    let cpio = if ios > 0 { cycles as f64 / ios as f64 } else { 0.0 };
+    out += &format!(
+        "stats total reads={} writes={} bytes_read={} bytes_written={} errors={} unsupp={} no_status={} busy_cycles={cycles} cycles_per_io={cpio:.1}\n",
+        t.reads, t.writes, t.bytes_read, t.bytes_written, t.ioerr, t.unsupp, t.no_status
+    );
+    let _ = io::stdout().write_all(out.as_bytes());
+    let _ = io::stdout().flush();
+}
+
+fn print_any_stats(dev: &Device) {
+    let reports: Vec<WorkerReport> = dev.workers.iter().map(|w| w.report()).collect();
+    if dev.blk.is_some() {
+        print_blk_stats(&reports);
+    } else {
+        print_stats(&reports);
+    }
 }
 
 /// Final counters on stdout, one line per queue and a total (a stable,

@@ -31,7 +31,10 @@ pub struct Device {
     /// Offload features the backend supports (a TAP's checksum and
     /// segmentation offloads), offered on top of the rest.
     pub offload_features: u64,
-    /// Dataplane workers, one per queue pair.
+    /// A virtio-blk device (then `pairs` counts its request queues and the
+    /// net fields are unused); None for virtio-net.
+    pub blk: Option<Arc<vhostd_blk::BlkDevice>>,
+    /// Dataplane workers, one per queue pair (blk: per request queue).
     pub workers: Vec<WorkerHandle>,
     /// State shared with the workers.
     pub shared: Arc<Shared>,
@@ -42,6 +45,16 @@ impl Device {
     /// path completes chains in the order it popped them, one used element
     /// each (the spec's per-batch single element is an optional shortcut).
     pub fn features(&self) -> u64 {
+        if let Some(blk) = &self.blk {
+            // No IN_ORDER: requests may finish in any order (the used ring
+            // is written in pop order today, but that is ours to change).
+            return ring_features::VERSION_1
+                | ring_features::EVENT_IDX
+                | ring_features::INDIRECT_DESC
+                | ring_features::RING_PACKED
+                | blk.features()
+                | PROTOCOL_FEATURES;
+        }
         ring_features::VERSION_1
             | ring_features::IN_ORDER
             | ring_features::EVENT_IDX
@@ -121,7 +134,7 @@ fn to_eventfd(f: Option<File>) -> Option<EventFd> {
 impl Session {
     /// A fresh session for the device.
     pub fn new(dev: Arc<Device>) -> Session {
-        let nrings = 2 * dev.pairs as usize + 1;
+        let nrings = if dev.blk.is_some() { dev.pairs as usize } else { 2 * dev.pairs as usize + 1 };
         Session {
             dev,
             owner: false,
@@ -144,6 +157,9 @@ impl Session {
 
     /// Worker and slot of ring `i`, or None if the ring does not exist.
     fn locate(&self, i: usize) -> Option<(usize, Slot)> {
+        if self.dev.blk.is_some() {
+            return (i < self.dev.pairs as usize).then_some((i, Slot::Req));
+        }
         let has_ctrl = self.features & vhostd_net::features::CTRL_VQ != 0;
         if has_ctrl && i == self.ctrl_index() {
             return Some((0, Slot::Ctrl));
@@ -373,8 +389,11 @@ impl VhostUserBackendReqHandlerMut for Session {
             "features acked: {features:#x} ({} ring{}{})",
             if features & ring_features::RING_PACKED != 0 { "packed" } else { "split" },
             if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
-            if features & vhostd_net::features::MRG_RXBUF != 0 { ", mergeable rx" } else { "" },
+            if self.dev.blk.is_none() && features & vhostd_net::features::MRG_RXBUF != 0 { ", mergeable rx" } else { "" },
         );
+        if self.dev.blk.is_some() {
+            return Ok(());
+        }
         let offloads = features & vhostd_net::features::GUEST_OFFLOADS;
         if let Ok(mut c) = self.dev.shared.ctrl.lock() {
             c.offloads_allowed = offloads;
@@ -498,6 +517,9 @@ impl VhostUserBackendReqHandlerMut for Session {
         // Virtqueues, as the spec and libvhost-user count them (QEMU reads
         // it as an upper bound on queue pairs, which this also satisfies):
         // the pairs plus the control queue.
+        if self.dev.blk.is_some() {
+            return Ok(self.dev.pairs as u64);
+        }
         Ok(2 * self.dev.pairs as u64 + 1)
     }
 
@@ -507,19 +529,41 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
+        let (off, len) = (offset as usize, size as usize);
+        if let Some(blk) = &self.dev.blk {
+            let bytes = blk.config();
+            // QEMU asks for its whole struct; bytes past ours read as zero.
+            return match off.checked_add(len) {
+                Some(end) if len <= 4096 => {
+                    let mut out = vec![0u8; len];
+                    if off < bytes.len() {
+                        let n = end.min(bytes.len()) - off;
+                        out[..n].copy_from_slice(&bytes[off..off + n]);
+                    }
+                    Ok(out)
+                }
+                _ => Err(err("GET_CONFIG outside the config space")),
+            };
+        }
         let mac = self.dev.shared.ctrl.lock().map(|c| c.mac).unwrap_or(self.dev.mac);
         let link_up = self.dev.shared.link.as_ref().is_none_or(|l| l.up());
         let status = if link_up { STATUS_LINK_UP } else { 0 };
         let cfg = NetConfig { mac, status, max_queue_pairs: self.dev.pairs, mtu: 1500 };
         let bytes = cfg.bytes();
-        let (off, len) = (offset as usize, size as usize);
         match off.checked_add(len) {
             Some(end) if end <= bytes.len() => Ok(bytes[off..end].to_vec()),
             _ => Err(err("GET_CONFIG outside the config space")),
         }
     }
 
-    fn set_config(&mut self, _offset: u32, _buf: &[u8], _flags: VhostUserConfigFlags) -> VuResult<()> {
+    fn set_config(&mut self, offset: u32, buf: &[u8], _flags: VhostUserConfigFlags) -> VuResult<()> {
+        if let Some(blk) = &self.dev.blk {
+            if self.features & vhostd_blk::features::CONFIG_WCE != 0 && blk.set_config(offset as usize, buf) {
+                tracing::info!("guest set the cache to {}", if buf[0] == 1 { "write-back" } else { "write-through" });
+                return Ok(());
+            }
+            return Err(err("SET_CONFIG of a read-only config field"));
+        }
         // The virtio-net config space is read-only for the driver.
         Err(err("SET_CONFIG on virtio-net"))
     }

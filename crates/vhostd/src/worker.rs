@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use vhostd_backends::NetBackend;
+use vhostd_blk::{BlkDevice, BlkQueue, BlkStats};
 use vhostd_net::{process_ctrl, process_rx, process_tx, CtrlState, DirStats, Layout};
 use virtq::{Batch, Queue, QueueStats};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -23,12 +24,14 @@ pub enum Slot {
     Tx,
     /// The control queue (worker 0 only).
     Ctrl,
+    /// A virtio-blk request queue (one per worker).
+    Req,
 }
 
 impl Slot {
     fn index(self) -> usize {
         match self {
-            Slot::Rx => 0,
+            Slot::Rx | Slot::Req => 0,
             Slot::Tx => 1,
             Slot::Ctrl => 2,
         }
@@ -70,6 +73,8 @@ pub struct RingReport {
     pub notifies: u64,
     /// TSC cycles in iterations of this ring that moved at least one frame.
     pub busy_cycles: u64,
+    /// virtio-blk request counters (a blk worker's ring 0).
+    pub blk: BlkStats,
 }
 
 /// Counters of a worker.
@@ -87,6 +92,8 @@ pub struct WorkerReport {
     pub sleeps: u64,
     /// The backend's own counters.
     pub backend: vhostd_backends::BackendStats,
+    /// A blk worker's backend counters.
+    pub blk_backend: vhostd_block_backends::BlockStats,
 }
 
 /// Shared between the control thread and the workers of one device.
@@ -220,11 +227,18 @@ pub enum Mode {
     },
 }
 
+/// What a worker moves data for: a net queue pair and its packet backend,
+/// or a blk request queue and its block backend.
+pub enum Engine {
+    Net(Box<dyn NetBackend>),
+    Blk { queue: Box<BlkQueue>, dev: Arc<BlkDevice> },
+}
+
 struct Worker {
     pair: u16,
     rings: [Ring; 3],
     layout: Layout,
-    backend: Box<dyn NetBackend>,
+    engine: Engine,
     mode: Mode,
     cmds: Receiver<Cmd>,
     wake: EventFd,
@@ -264,7 +278,7 @@ const BLOCKED_SLEEP_MS: i32 = 1;
 /// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
 pub fn spawn(
     pair: u16,
-    backend: Box<dyn NetBackend>,
+    engine: Engine,
     mode: Mode,
     cpu: Option<usize>,
     shared: Arc<Shared>,
@@ -278,18 +292,25 @@ pub fn spawn(
         wake.as_raw_fd(),
         EpollEvent::new(EventSet::IN, WAKE_TOKEN),
     )?;
-    let backend_armed = match backend.rx_fd() {
-        Some(fd) => {
-            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::empty(), BACKEND_TOKEN))?;
-            false
+    match &engine {
+        Engine::Net(backend) => {
+            if let Some(fd) = backend.rx_fd() {
+                epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::empty(), BACKEND_TOKEN))?;
+            }
         }
-        None => false,
-    };
+        Engine::Blk { queue, .. } => {
+            // Completions arrive whether or not the guest kicks: always armed.
+            if let Some(fd) = queue.completion_fd() {
+                epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, BACKEND_TOKEN))?;
+            }
+        }
+    }
+    let backend_armed = false;
     let worker = Worker {
         pair,
         rings: [Ring::new(), Ring::new(), Ring::new()],
         layout: Layout::from_features(0),
-        backend,
+        engine,
         mode,
         cmds,
         wake: wake.try_clone()?,
@@ -421,7 +442,13 @@ impl Worker {
         r.idle_iters = self.idle_iters;
         r.busy_iters = self.busy_iters;
         r.sleeps = self.sleeps;
-        r.backend = self.backend.stats();
+        match &self.engine {
+            Engine::Net(backend) => r.backend = backend.stats(),
+            Engine::Blk { queue, .. } => {
+                r.rings[0].blk = queue.stats;
+                r.blk_backend = queue.backend_stats();
+            }
+        }
         r
     }
 
@@ -459,6 +486,10 @@ impl Worker {
                             EpollEvent::default(),
                         );
                     }
+                    if let (Engine::Blk { queue: bq, dev }, Some(q)) = (&mut self.engine, ring.queue.as_mut()) {
+                        // The backend may still write into the ring's buffers.
+                        bq.drain(q, dev);
+                    }
                     let out = ring.queue.take().map(|mut q| {
                         ring.report.queue = add_queue_stats(ring.report.queue, *q.stats());
                         *q.stats_mut() = QueueStats::default();
@@ -477,12 +508,29 @@ impl Worker {
     /// One pass over the rings: TX, then RX, then control. Returns frames moved.
     #[inline]
     fn poll_once(&mut self) -> usize {
+        let backend = match &mut self.engine {
+            Engine::Net(b) => b,
+            Engine::Blk { queue: bq, dev } => {
+                let ring = &mut self.rings[0];
+                let mut n = 0;
+                if let Some(q) = ring.queue.as_mut() {
+                    let t0 = tsc();
+                    n = bq.process(q, &mut ring.batch, dev);
+                    if n > 0 {
+                        ring.notify();
+                        ring.report.busy_cycles += tsc() - t0;
+                    }
+                }
+                self.check_broken();
+                return n;
+            }
+        };
         let mut moved = 0;
         let t0 = tsc();
         let [rx, tx, ctrl] = &mut self.rings;
         self.tx_blocked = false;
         if let Some(q) = tx.queue.as_mut() {
-            let n = process_tx(q, &mut tx.batch, self.backend.as_mut(), self.layout, &mut tx.report.dir);
+            let n = process_tx(q, &mut tx.batch, backend.as_mut(), self.layout, &mut tx.report.dir);
             if n > 0 {
                 tx.notify();
                 moved += n;
@@ -498,10 +546,10 @@ impl Worker {
         let reading = active && rx.queue.is_some();
         if reading != self.backend_active {
             self.backend_active = reading;
-            self.backend.set_active(reading);
+            backend.set_active(reading);
         }
         if let (Some(q), true) = (rx.queue.as_mut(), active) {
-            let n = process_rx(q, &mut rx.batch, self.backend.as_mut(), self.layout, &mut rx.report.dir);
+            let n = process_rx(q, &mut rx.batch, backend.as_mut(), self.layout, &mut rx.report.dir);
             if n > 0 {
                 rx.notify();
                 rx.report.busy_cycles += tsc() - t1;
@@ -535,6 +583,12 @@ impl Worker {
                 moved += n;
             }
         }
+        self.check_broken();
+        moved
+    }
+
+    /// Signals NEEDS_RESET (once per ring) for rings the guest broke.
+    fn check_broken(&mut self) {
         for ring in self.rings.iter_mut() {
             if let Some(q) = &ring.queue {
                 if q.is_broken() && !ring.err_signalled {
@@ -547,7 +601,6 @@ impl Worker {
                 }
             }
         }
-        moved
     }
 
     /// Before sleeping: asks for kicks where a kick would mean work, and
@@ -556,11 +609,23 @@ impl Worker {
     /// quiet (no kicks, not counted) and the worker sleeps until a TX kick
     /// or the backend has something.
     fn enable_notifications(&mut self) -> bool {
-        let rx_has_frames = !self.backend.rx_frames(1).is_empty();
+        let backend = match &mut self.engine {
+            Engine::Net(b) => b,
+            Engine::Blk { queue: bq, .. } => {
+                // Requests in flight complete through the completion fd; a
+                // backend without one must be polled until they are done.
+                let mut more = bq.in_flight() > 0 && bq.completion_fd().is_none();
+                if let Some(q) = self.rings[0].queue.as_mut() {
+                    more |= q.enable_notifications();
+                }
+                return more;
+            }
+        };
+        let rx_has_frames = !backend.rx_frames(1).is_empty();
         // A backend with a descriptor wakes us when it has frames, but only
         // while the guest reads and nothing is already waiting for RX room
         // (then the guest's RX kick is what we need, not a busy descriptor).
-        if let Some(fd) = self.backend.rx_fd() {
+        if let Some(fd) = backend.rx_fd() {
             let arm = self.backend_active && !rx_has_frames;
             if arm != self.backend_armed {
                 let events = if arm { EventSet::IN } else { EventSet::empty() };
@@ -600,7 +665,15 @@ impl Worker {
             if token == WAKE_TOKEN {
                 let _ = self.wake.read();
             } else if token == BACKEND_TOKEN {
-                // Frames arrived: the next pass reads them.
+                // Frames or completions arrived: the next pass takes them.
+                if let Engine::Blk { queue, .. } = &self.engine {
+                    if let Some(fd) = queue.completion_fd() {
+                        let mut v = [0u8; 8];
+                        // SAFETY: reads 8 bytes into a local buffer from the
+                        // backend's eventfd (readable: epoll said so).
+                        unsafe { libc::read(fd, v.as_mut_ptr() as *mut libc::c_void, 8) };
+                    }
+                }
             } else if let Some(ring) = self.rings.get_mut(token as usize) {
                 if let Some(k) = &ring.kick {
                     let _ = k.read();

@@ -1,0 +1,490 @@
+//! The file backend against real temporary files (and the null backend).
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use vhostd_block_backends::{open, BlockBackend, BlockSpec, Buf, Completion, DiskInfo, Op, Request, MAX_SEGS};
+
+const EROFS: i64 = -(libc::EROFS as i64);
+const EBUSY: i64 = -(libc::EBUSY as i64);
+const EINVAL: i64 = -(libc::EINVAL as i64);
+const EIO: i64 = -(libc::EIO as i64);
+
+/// A file (or directory) under `dir` removed when the test ends, passed or not.
+struct Temp {
+    path: PathBuf,
+}
+
+impl Temp {
+    fn name_in(dir: &Path, what: &str) -> PathBuf {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        dir.join(format!("vhostd-bb-{}-{}-{what}", std::process::id(), n))
+    }
+
+    /// A file of `size` bytes, all zero, in the temporary directory.
+    fn file(what: &str, size: u64) -> Temp {
+        Temp::file_in(&std::env::temp_dir(), what, size)
+    }
+
+    fn file_in(dir: &Path, what: &str, size: u64) -> Temp {
+        let t = Temp { path: Temp::name_in(dir, what) };
+        std::fs::File::create(&t.path).unwrap().set_len(size).unwrap();
+        t
+    }
+
+    /// A file of `size` bytes filled with `byte` and written out, so its
+    /// blocks are allocated.
+    fn filled(dir: &Path, what: &str, size: usize, byte: u8) -> Temp {
+        let t = Temp { path: Temp::name_in(dir, what) };
+        std::fs::write(&t.path, vec![byte; size]).unwrap();
+        std::fs::File::open(&t.path).unwrap().sync_all().unwrap();
+        t
+    }
+
+    fn dir(what: &str) -> Temp {
+        let t = Temp { path: Temp::name_in(&std::env::temp_dir(), what) };
+        std::fs::create_dir(&t.path).unwrap();
+        t
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
+
+fn open_file(
+    path: &Path,
+    readonly: bool,
+    direct: bool,
+    queues: usize,
+    depth: usize,
+) -> std::io::Result<(DiskInfo, Vec<Box<dyn BlockBackend>>)> {
+    open(&BlockSpec::File { path: path.to_path_buf(), readonly, direct, discard: true }, queues, depth)
+}
+
+fn one(path: &Path, depth: usize) -> Box<dyn BlockBackend> {
+    open_file(path, false, false, 1, depth).unwrap().1.pop().unwrap()
+}
+
+fn buf(v: &mut [u8]) -> Buf {
+    Buf { addr: v.as_mut_ptr(), len: v.len() }
+}
+
+fn req(tag: u64, op: Op, offset: u64, len: u64, bufs: &[Buf]) -> Request<'_> {
+    Request { tag, op, offset, len, bufs }
+}
+
+/// Waits (bounded) until `n` completions have been reaped.
+fn collect(b: &mut dyn BlockBackend, n: usize) -> Vec<Completion> {
+    let mut out = Vec::new();
+    for _ in 0..10_000 {
+        b.reap(&mut out);
+        if out.len() >= n {
+            break;
+        }
+        b.wait();
+    }
+    assert_eq!(out.len(), n, "completions");
+    assert_eq!(b.in_flight(), 0);
+    out
+}
+
+/// Runs one request to completion and returns its result.
+fn run(b: &mut dyn BlockBackend, r: &Request<'_>) -> i64 {
+    // SAFETY: the buffers live in the caller until this returns, after the
+    // completion was reaped.
+    unsafe { b.queue(r) }.unwrap();
+    b.submit();
+    let c = collect(b, 1);
+    assert_eq!(c[0].tag, r.tag);
+    c[0].result
+}
+
+fn read_all(b: &mut dyn BlockBackend, offset: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0xeeu8; len];
+    let bufs = [buf(&mut v)];
+    assert_eq!(run(b, &req(99, Op::Read, offset, len as u64, &bufs)), len as i64);
+    v
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn writev_then_read_with_other_boundaries() {
+    let t = Temp::file("rw", 1 << 20);
+    let (info, mut bs) = open_file(&t.path, false, false, 2, 16).unwrap();
+    assert_eq!(
+        info,
+        DiskInfo { capacity: 1 << 20, read_only: false, block_size: 512, discard: true, write_zeroes: true }
+    );
+    assert_eq!(bs.len(), 2);
+    let data = pattern(3 * 4096 + 1024, 1);
+    // Write in odd pieces: 100, 4000, 1, the rest.
+    let mut src = data.clone();
+    let (a, rest) = src.split_at_mut(100);
+    let (b, rest) = rest.split_at_mut(4000);
+    let (c, d) = rest.split_at_mut(1);
+    let bufs = [buf(a), buf(b), buf(c), buf(d)];
+    assert_eq!(run(bs[0].as_mut(), &req(1, Op::Write, 8192, data.len() as u64, &bufs)), data.len() as i64);
+    // Read back through the other queue (same file, its own ring) in
+    // different pieces: one sector, 7 bytes, the rest.
+    let mut dst = vec![0u8; data.len()];
+    let (a, rest) = dst.split_at_mut(512);
+    let (b, c) = rest.split_at_mut(7);
+    let bufs = [buf(a), buf(b), buf(c)];
+    assert_eq!(run(bs[1].as_mut(), &req(2, Op::Read, 8192, data.len() as u64, &bufs)), data.len() as i64);
+    assert_eq!(dst, data);
+    // A single buffer reads the same.
+    assert_eq!(read_all(bs[0].as_mut(), 8192, data.len()), data);
+    // And the file has it where it belongs.
+    let on_disk = std::fs::read(&t.path).unwrap();
+    assert_eq!(&on_disk[8192..8192 + data.len()], &data[..]);
+    assert!(on_disk[..8192].iter().all(|&x| x == 0));
+    let s = bs[0].stats();
+    assert_eq!((s.submitted, s.completed, s.errors), (2, 2, 0));
+}
+
+#[test]
+fn many_requests_in_flight() {
+    const N: usize = 64;
+    const BLOCK: usize = 4096;
+    let t = Temp::file("many", (4 * N * BLOCK) as u64);
+    let mut b = one(&t.path, N);
+    // N distinct blocks in a random order, each with its own pattern.
+    let mut blocks: Vec<usize> = (0..4 * N).collect();
+    let mut x = 12345u64;
+    for i in (1..blocks.len()).rev() {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        blocks.swap(i, (x >> 33) as usize % (i + 1));
+    }
+    let blocks = &blocks[..N];
+    let mut data: Vec<Vec<u8>> = blocks.iter().map(|&blk| pattern(BLOCK, blk as u64 + 7)).collect();
+    let bufs: Vec<[Buf; 1]> = data.iter_mut().map(|d| [buf(d)]).collect();
+    for (i, &blk) in blocks.iter().enumerate() {
+        assert_eq!(b.room(), N - i);
+        // SAFETY: `data` outlives the completions, reaped below.
+        unsafe { b.queue(&req(i as u64, Op::Write, (blk * BLOCK) as u64, BLOCK as u64, &bufs[i])) }.unwrap();
+    }
+    assert_eq!(b.room(), 0);
+    assert_eq!(b.in_flight(), N);
+    // Full: refused, nothing queued.
+    // SAFETY: refused requests are not queued.
+    assert_eq!(unsafe { b.queue(&req(999, Op::Flush, 0, 0, &[])) }, Err(EBUSY));
+    b.submit();
+    assert_eq!(b.stats().submit_calls, 1, "one system call for the whole batch");
+    assert_eq!(b.stats().submitted, N as u64);
+    let mut done = collect(b.as_mut(), N);
+    done.sort_by_key(|c| c.tag);
+    for (i, c) in done.iter().enumerate() {
+        assert_eq!(*c, Completion { tag: i as u64, result: BLOCK as i64 });
+    }
+    // Read them all back at once.
+    let mut back: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; BLOCK]).collect();
+    let bufs: Vec<[Buf; 1]> = back.iter_mut().map(|d| [buf(d)]).collect();
+    for (i, &blk) in blocks.iter().enumerate() {
+        // SAFETY: `back` outlives the completions, reaped below.
+        unsafe { b.queue(&req(1000 + i as u64, Op::Read, (blk * BLOCK) as u64, BLOCK as u64, &bufs[i])) }.unwrap();
+    }
+    let calls = b.stats().submit_calls;
+    b.submit();
+    assert_eq!(b.stats().submit_calls, calls + 1);
+    let done = collect(b.as_mut(), N);
+    assert!(done.iter().all(|c| c.result == BLOCK as i64));
+    assert_eq!(back, data);
+    let s = b.stats();
+    assert_eq!((s.submitted, s.completed, s.errors), (2 * N as u64, 2 * N as u64, 0));
+}
+
+#[test]
+fn flush() {
+    let t = Temp::file("flush", 65536);
+    let mut b = one(&t.path, 4);
+    let mut d = pattern(4096, 3);
+    let bufs = [buf(&mut d)];
+    assert_eq!(run(b.as_mut(), &req(1, Op::Write, 0, 4096, &bufs)), 4096);
+    assert_eq!(run(b.as_mut(), &req(2, Op::Flush, 0, 0, &[])), 0);
+    assert_eq!(b.stats().errors, 0);
+}
+
+/// Discard punches a hole: the blocks go and the range reads as zeroes.
+fn discard_in(dir: &Path) {
+    const SIZE: usize = 1 << 20;
+    let t = Temp::filled(dir, "discard", SIZE, 0xab);
+    let mut b = one(&t.path, 4);
+    let before = std::fs::metadata(&t.path).unwrap().blocks();
+    let r = run(b.as_mut(), &req(1, Op::Discard, 256 << 10, 512 << 10, &[]));
+    if r == -(libc::EOPNOTSUPP as i64) {
+        println!("note: {} does not support punch-hole; discard not checked", dir.display());
+        return;
+    }
+    assert_eq!(r, 0);
+    let after = std::fs::metadata(&t.path).unwrap().blocks();
+    assert!(after < before, "st_blocks {before} -> {after} after discard in {}", dir.display());
+    let back = read_all(b.as_mut(), 0, SIZE);
+    assert!(back[..256 << 10].iter().all(|&x| x == 0xab));
+    assert!(back[256 << 10..768 << 10].iter().all(|&x| x == 0));
+    assert!(back[768 << 10..].iter().all(|&x| x == 0xab));
+    assert_eq!(std::fs::metadata(&t.path).unwrap().len(), SIZE as u64, "size kept");
+}
+
+#[test]
+fn discard_punches_a_hole() {
+    discard_in(&std::env::temp_dir());
+    if Path::new("/dev/shm").is_dir() {
+        discard_in(Path::new("/dev/shm"));
+    }
+}
+
+/// Write-zeroes with and without unmap; run twice so a backend that found
+/// ZERO_RANGE unsupported (tmpfs) also takes its fallback from the start.
+fn write_zeroes_in(dir: &Path) {
+    const SIZE: usize = 256 << 10;
+    let t = Temp::filled(dir, "wz", SIZE, 0x5a);
+    let mut b = one(&t.path, 4);
+    for round in 0..2u64 {
+        let base = round * (128 << 10);
+        let r = run(b.as_mut(), &req(1, Op::WriteZeroes { unmap: false }, base, 32 << 10, &[]));
+        assert_eq!(r, 0, "write-zeroes without unmap in {}", dir.display());
+        let r = run(b.as_mut(), &req(2, Op::WriteZeroes { unmap: true }, base + (64 << 10), 32 << 10, &[]));
+        assert_eq!(r, 0, "write-zeroes with unmap in {}", dir.display());
+    }
+    let back = read_all(b.as_mut(), 0, SIZE);
+    for (i, &x) in back.iter().enumerate() {
+        let in_block = i % (128 << 10);
+        let zero = in_block < 32 << 10 || (64 << 10..96 << 10).contains(&in_block);
+        assert_eq!(x, if zero { 0 } else { 0x5a }, "byte {i} in {}", dir.display());
+    }
+    assert_eq!(std::fs::metadata(&t.path).unwrap().len(), SIZE as u64, "size kept");
+    // An empty range is fine too.
+    assert_eq!(run(b.as_mut(), &req(3, Op::WriteZeroes { unmap: false }, 0, 0, &[])), 0);
+}
+
+#[test]
+fn write_zeroes_read_back_as_zeroes() {
+    write_zeroes_in(&std::env::temp_dir());
+    // tmpfs has no ZERO_RANGE: exercises the punch-and-allocate fallback.
+    if Path::new("/dev/shm").is_dir() {
+        write_zeroes_in(Path::new("/dev/shm"));
+    }
+}
+
+#[test]
+fn read_only_refuses_writes() {
+    let t = Temp::file("ro", 8192);
+    std::fs::write(&t.path, pattern(8192, 9)).unwrap();
+    let (info, mut bs) = open_file(&t.path, true, false, 1, 4).unwrap();
+    assert!(info.read_only);
+    let b = bs[0].as_mut();
+    let mut d = vec![0u8; 512];
+    let bufs = [buf(&mut d)];
+    for op in [Op::Write, Op::Discard, Op::WriteZeroes { unmap: false }, Op::WriteZeroes { unmap: true }] {
+        // SAFETY: refused requests are not queued.
+        assert_eq!(unsafe { b.queue(&req(1, op, 0, 512, &bufs)) }, Err(EROFS), "{op:?}");
+    }
+    assert_eq!((b.room(), b.in_flight()), (4, 0));
+    b.submit();
+    assert_eq!(b.stats().submit_calls, 0, "nothing to submit");
+    // Reads and flushes work.
+    assert_eq!(read_all(b, 512, 512), pattern(8192, 9)[512..1024]);
+    assert_eq!(run(b, &req(2, Op::Flush, 0, 0, &[])), 0);
+}
+
+#[test]
+fn too_many_segments_refused() {
+    let t = Temp::file("segs", 1 << 20);
+    let mut b = one(&t.path, 4);
+    let mut d = vec![0u8; (MAX_SEGS + 1) * 512];
+    let mut bufs: Vec<Buf> = d.chunks_mut(512).map(buf).collect();
+    // SAFETY: refused requests are not queued.
+    assert_eq!(unsafe { b.queue(&req(1, Op::Read, 0, d.len() as u64, &bufs)) }, Err(EINVAL));
+    assert_eq!(b.in_flight(), 0);
+    // MAX_SEGS is fine.
+    bufs.pop();
+    assert_eq!(run(b.as_mut(), &req(2, Op::Read, 0, 0, &bufs)), (MAX_SEGS * 512) as i64);
+}
+
+#[test]
+fn read_past_end_is_an_error() {
+    // The device never does this, but the file may have shrunk under us:
+    // the first read is short, the rest reads nothing, and that is -EIO.
+    let t = Temp::file("eof", 8192);
+    let mut b = one(&t.path, 4);
+    let mut d = vec![0u8; 8192];
+    let (x, y) = d.split_at_mut(2048);
+    let bufs = [buf(x), buf(y)];
+    assert_eq!(run(b.as_mut(), &req(1, Op::Read, 4096, 8192, &bufs)), EIO);
+    assert_eq!(b.stats().errors, 1);
+    assert!(b.stats().submit_calls >= 2, "the rest was resubmitted");
+}
+
+#[test]
+fn open_errors_name_the_path() {
+    let missing = Temp::name_in(&std::env::temp_dir(), "missing");
+    let dir = Temp::dir("dir");
+    let odd = Temp::file("odd", 1000);
+    let empty = Temp::file("empty", 0);
+    for (path, kind) in [
+        (missing.as_path(), std::io::ErrorKind::NotFound),
+        (dir.path.as_path(), std::io::ErrorKind::InvalidInput),
+        (odd.path.as_path(), std::io::ErrorKind::InvalidInput),
+        (empty.path.as_path(), std::io::ErrorKind::InvalidInput),
+    ] {
+        for readonly in [false, true] {
+            let e = open_file(path, readonly, false, 1, 4).err().expect("open must fail");
+            assert_eq!(e.kind(), kind, "{e}");
+            assert!(e.to_string().contains(&*path.to_string_lossy()), "message names the path: {e}");
+        }
+    }
+    let e = open_file(Path::new("/dev/null"), true, false, 1, 4).err().expect("a character device is refused");
+    assert!(e.to_string().contains("/dev/null"), "{e}");
+    let e = open_file(&odd.path, false, false, 1, 0).err().expect("depth 0 is refused");
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+}
+
+/// Memory aligned for O_DIRECT, freed on drop.
+struct Aligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null());
+        Aligned { ptr, layout }
+    }
+    fn slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` holds `layout.size()` initialised bytes owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+#[test]
+fn direct_io_with_aligned_buffers() {
+    let t = Temp::file("direct", 1 << 20);
+    let (info, mut bs) = match open_file(&t.path, false, true, 1, 8) {
+        Ok(x) => x,
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+            println!("note: {} refuses O_DIRECT ({e}); not checked", std::env::temp_dir().display());
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    assert!(info.block_size >= 512 && info.block_size.is_power_of_two(), "block size {}", info.block_size);
+    let b = bs[0].as_mut();
+    let mut w = Aligned::new(3 * 4096);
+    let data = pattern(3 * 4096, 11);
+    w.slice().copy_from_slice(&data);
+    let (x, y) = w.slice().split_at_mut(4096);
+    let bufs = [buf(x), buf(y)];
+    assert_eq!(run(b, &req(1, Op::Write, 65536, data.len() as u64, &bufs)), data.len() as i64);
+    let mut r = Aligned::new(3 * 4096);
+    let bufs = [buf(r.slice())];
+    assert_eq!(run(b, &req(2, Op::Read, 65536, data.len() as u64, &bufs)), data.len() as i64);
+    assert_eq!(r.slice(), &data[..]);
+}
+
+#[test]
+fn completion_fd_wakes_after_submit() {
+    let t = Temp::file("efd", 65536);
+    let mut b = one(&t.path, 4);
+    let fd = b.completion_fd().expect("file backend has a completion fd");
+    let mut d = vec![0u8; 4096];
+    let bufs = [buf(&mut d)];
+    // SAFETY: `d` outlives the completion, reaped below.
+    unsafe { b.queue(&req(7, Op::Read, 0, 4096, &bufs)) }.unwrap();
+    b.submit();
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, bounded timeout.
+    let n = unsafe { libc::poll(&mut pfd, 1, 5000) };
+    assert_eq!(n, 1, "completion fd readable within 5 s");
+    assert!(pfd.revents & libc::POLLIN != 0);
+    let mut v = [0u8; 8];
+    // SAFETY: reads 8 bytes into a local buffer.
+    assert_eq!(unsafe { libc::read(fd, v.as_mut_ptr() as *mut libc::c_void, 8) }, 8);
+    // The completion is there without waiting.
+    let mut out = Vec::new();
+    b.reap(&mut out);
+    assert_eq!(out, vec![Completion { tag: 7, result: 4096 }]);
+}
+
+#[test]
+fn drop_with_requests_in_flight() {
+    let t = Temp::file("drop", 1 << 20);
+    let mut d = vec![0u8; 1 << 20];
+    {
+        let mut b = one(&t.path, 8);
+        let bufs = [buf(&mut d)];
+        // SAFETY: `d` outlives the backend, whose drop waits for the request.
+        unsafe { b.queue(&req(1, Op::Read, 0, 1 << 20, &bufs)) }.unwrap();
+        b.submit();
+    }
+    d[0] = 1;
+}
+
+#[test]
+fn null_backend() {
+    let (info, mut bs) = open(&BlockSpec::Null { size: 1 << 30 }, 2, 4).unwrap();
+    assert_eq!(info.capacity, 1 << 30);
+    assert_eq!(bs.len(), 2);
+    let b = bs[0].as_mut();
+    let mut d = vec![0x77u8; 1024];
+    let bufs = [buf(&mut d)];
+    assert_eq!(b.room(), 4);
+    // SAFETY: the null backend touches no buffer.
+    unsafe {
+        b.queue(&req(1, Op::Read, 0, 1024, &bufs)).unwrap();
+        b.queue(&req(2, Op::Flush, 0, 0, &[])).unwrap();
+    }
+    assert_eq!((b.room(), b.in_flight()), (2, 2));
+    b.submit();
+    let mut out = Vec::new();
+    b.reap(&mut out);
+    assert_eq!(out, vec![Completion { tag: 1, result: 1024 }, Completion { tag: 2, result: 0 }]);
+    assert_eq!((b.room(), b.in_flight()), (4, 0));
+    assert!(d.iter().all(|&x| x == 0x77), "reads leave buffers alone");
+}
+
+#[test]
+fn block_device_read_only() {
+    // Any block device with a size and a node we can open; only read.
+    let found = std::fs::read_dir("/sys/block").into_iter().flatten().flatten().find_map(|e| {
+        let name = e.file_name().into_string().ok()?;
+        let sectors: u64 = std::fs::read_to_string(e.path().join("size")).ok()?.trim().parse().ok()?;
+        let lbs: u32 = std::fs::read_to_string(e.path().join("queue/logical_block_size")).ok()?.trim().parse().ok()?;
+        let dev = PathBuf::from("/dev").join(&name);
+        (sectors > 0 && std::fs::File::open(&dev).is_ok()).then_some((dev, sectors * 512, lbs))
+    });
+    let Some((dev, size, lbs)) = found else {
+        println!("note: no readable block device; not checked");
+        return;
+    };
+    let (info, mut bs) = open_file(&dev, true, true, 1, 4).unwrap();
+    assert_eq!((info.capacity, info.block_size, info.read_only), (size, lbs, true), "{}", dev.display());
+    let mut a = Aligned::new(4096);
+    let bufs = [buf(a.slice())];
+    assert_eq!(run(bs[0].as_mut(), &req(1, Op::Read, 0, 4096, &bufs)), 4096);
+}
