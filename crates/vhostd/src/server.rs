@@ -308,7 +308,8 @@ fn wait_mode(poll: bool, mode: WaitMode, poll_idle_us: u64) -> Mode {
 pub fn run_blk(args: BlkArgs) -> io::Result<()> {
     let signals = Signals::new()?;
     // The disk first: a path that cannot be opened leaves nothing behind.
-    let (disk, backends) = vhostd_block_backends::open(&args.backend, args.queues as usize, BACKEND_DEPTH)?;
+    let (disk, backends) = vhostd_block_backends::open(&args.backend, args.queues as usize, BACKEND_DEPTH)
+        .map_err(|e| io::Error::new(e.kind(), format!("--backend {}: {e}", args.backend_description())))?;
     let serial = args.serial.clone().unwrap_or_else(|| args.default_serial());
     let blk = Arc::new(BlkDevice::new(disk, args.queues, &serial));
     tracing::info!(
