@@ -1,8 +1,10 @@
 # Shared by the QEMU interop tests and scripts/demo (source it; not a test).
-# Starts vhostd and boots the test guest against it under QEMU TCG, with
-# bounded waits and cleanup of everything on exit (QEMU, vhostd, the
-# network namespace of make_netns and every process in it), also when the
-# test is interrupted (SIGINT, SIGTERM, SIGHUP).
+# Starts vhostd (or another vhost-user backend, start_backend) and boots the
+# test guest against it under QEMU TCG (a virtio-net device: start_guest; a
+# virtio-blk one: start_guest_blk), with bounded waits and cleanup of
+# everything on exit (QEMU, the backend, the network namespace of
+# make_netns and every process in it), also when the test is interrupted
+# (SIGINT, SIGTERM, SIGHUP).
 
 VHOSTD=${VHOSTD:-$PWD/target/release/vhostd}
 QEMU=${QEMU:-qemu-system-x86_64}
@@ -47,7 +49,8 @@ trap 'exit 143' TERM
 # console, QEMU's and vhostd's logs, and exits 1 (cleanup runs on exit).
 # shellcheck disable=SC2154 # name: set by the test that sources this
 fail() {
-    trap - ERR
+    # Report everything, even when a log is missing or empty (set -e, pipefail).
+    set +e; trap - ERR
     echo "FAIL $name: $*"
     echo "--- guest console"; tr -d '\r' 2>/dev/null < "$WORK/console.log" | grep -v '^\s*$' | tail -30
     echo "--- qemu"; tail -10 "$WORK/qemu.err" 2>/dev/null
@@ -94,6 +97,28 @@ start_vhostd() {
         echo "vhostd did not start:"; cat "$WORK/vhostd.err"; return 1; }
 }
 
+# socket_listening PATH: a Unix socket is listening at PATH (asks the
+# kernel, without connecting to it).
+socket_listening() {
+    [ -S "$1" ] && ss -Hxl 2>/dev/null | awk -v p="$1" '$5 == p { f = 1 } END { exit !f }'
+}
+
+# start_backend SOCKET SECONDS COMMAND...: starts a vhost-user backend
+# (any program: vhostd, qemu-storage-daemon) in the background as
+# VHOSTD_PID, output in $WORK/vhostd.{out,err} (stopped by stop_vhostd and
+# on exit like vhostd), and waits up to SECONDS for it to listen on SOCKET.
+# Fails, showing its stderr, if it exits or does not listen in time.
+start_backend() {
+    local sock=$1 secs=$2; shift 2
+    "$@" > "$WORK/vhostd.out" 2> "$WORK/vhostd.err" &
+    VHOSTD_PID=$!
+    # shellcheck disable=SC2317 # called through wait_for
+    backend_up() { socket_listening "$sock" || ! kill -0 "$VHOSTD_PID" 2>/dev/null; }
+    if ! wait_for "$secs" backend_up || ! kill -0 "$VHOSTD_PID" 2>/dev/null; then
+        echo "$1 did not start (no listener on $sock):"; cat "$WORK/vhostd.err"; return 1
+    fi
+}
+
 # stop_vhostd: SIGTERM, bounded wait; its counters are then in $WORK/vhostd.out.
 stop_vhostd() {
     kill -TERM "$VHOSTD_PID"
@@ -122,22 +147,42 @@ vhostd_total() {
     sed -n "s/^stats total .*\b$1=\([0-9.]*\).*/\1/p" "$WORK/vhostd.out"
 }
 
-# start_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
-# in the background (QEMU_PID), console in $WORK/console.log. GUEST_SMP
-# (default 1) CPUs; GUEST_ARGS is appended to the kernel command line.
-start_guest() {
-    local scenario=$1 timeout=$2 netdev_extra=${3:-} device_extra=${4:-}
+# start_qemu SCENARIO TIMEOUT DEVICE_ARGS...: boots the test guest in the
+# background (QEMU_PID) with the given device arguments (-chardev, -netdev,
+# -device...), console in $WORK/console.log. GUEST_SMP (default 1) CPUs;
+# GUEST_ARGS is appended to the kernel command line.
+start_qemu() {
+    local scenario=$1 timeout=$2; shift 2
     : > "$WORK/console.log"
     timeout "$timeout" "$QEMU" -accel tcg -m 256M -smp "${GUEST_SMP:-1}" \
         -object memory-backend-memfd,id=mem0,size=256M,share=on -numa node,memdev=mem0 \
-        -chardev socket,id=c0,path="$WORK/net.sock" \
-        -netdev "vhost-user,id=n0,chardev=c0$netdev_extra" \
-        -device "virtio-net-pci,netdev=n0,romfile=,vectors=0$device_extra" \
+        "$@" \
         -kernel "$GUEST_DIR/vmlinuz" -initrd "$GUEST_DIR/initramfs.cpio.gz" \
         -append "console=ttyS0 panic=-1 quiet vhostd.test=$scenario ${GUEST_ARGS:-}" \
         -display none -serial "file:$WORK/console.log" -no-reboot -monitor none \
         2> "$WORK/qemu.err" &
     QEMU_PID=$!
+}
+
+# start_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
+# (start_qemu) with a virtio-net-pci device on vhostd's $WORK/net.sock.
+start_guest() {
+    local scenario=$1 timeout=$2 netdev_extra=${3:-} device_extra=${4:-}
+    start_qemu "$scenario" "$timeout" \
+        -chardev socket,id=c0,path="$WORK/net.sock" \
+        -netdev "vhost-user,id=n0,chardev=c0$netdev_extra" \
+        -device "virtio-net-pci,netdev=n0,romfile=,vectors=0$device_extra"
+}
+
+# start_guest_blk SCENARIO TIMEOUT SOCKET QUEUES [DEVICE_EXTRA]: boots the
+# guest (start_qemu) with a vhost-user-blk-pci device of QUEUES request
+# queues on SOCKET (the backend must be listening: QEMU reads the disk's
+# config from it at start-up) and no network device.
+start_guest_blk() {
+    local scenario=$1 timeout=$2 sock=$3 queues=$4 device_extra=${5:-}
+    start_qemu "$scenario" "$timeout" -nic none \
+        -chardev socket,id=c0,path="$sock" \
+        -device "vhost-user-blk-pci,chardev=c0,num-queues=$queues,vectors=0$device_extra"
 }
 
 # wait_guest [SECONDS]: waits for the guest started by start_guest to power

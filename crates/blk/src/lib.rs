@@ -56,8 +56,10 @@ pub const HEADER_LEN: usize = 16;
 pub const ID_LEN: usize = 20;
 /// Data segments a request may have (advertised as seg_max).
 pub const SEG_MAX: u32 = 128;
-/// Largest data segment (advertised as size_max).
-pub const SIZE_MAX: u32 = 1 << 20;
+/// Largest data segment (advertised as size_max). SEG_MAX x SIZE_MAX must
+/// stay below 32 MiB: SeaBIOS divides it by 512 into a u16 and, at 0,
+/// loops forever on zero-length reads.
+pub const SIZE_MAX: u32 = 128 << 10;
 /// Largest DISCARD / WRITE_ZEROES range in sectors (1 GiB).
 pub const MAX_RANGE_SECTORS: u32 = 1 << 21;
 /// Config space bytes served (up to write_zeroes_may_unmap and its padding).
@@ -584,6 +586,12 @@ mod tests {
         assert_eq!(in_range(2, 512, 1024), None);
         assert_eq!(in_range(u64::MAX / 256, 512, u64::MAX), None);
         assert_eq!(in_range(u64::MAX, 0, u64::MAX), None);
+    }
+
+    #[test]
+    fn largest_request_fits_seabios() {
+        // SeaBIOS: (u16)(size_max * seg_max / 512) must not be 0.
+        assert!((SIZE_MAX as u64 * SEG_MAX as u64 / 512) < 65536);
     }
 
     #[test]
