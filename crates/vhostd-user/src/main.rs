@@ -1,12 +1,16 @@
-//! `vhostd-user`: a virtio-net frontend over vhost-user for benchmarks and
-//! smoke tests. One busy-polling thread drives every queue pair.
+//! `vhostd-user`: a virtio-net and virtio-blk frontend over vhost-user for
+//! benchmarks and smoke tests. One thread drives every queue: `net`
+//! busy-polls its queue pairs, `blk` runs fio-like workloads.
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use vhostd_user::{build_udp_frame, features, NetStats, Options, RxQueue, TxQueue, VirtioUser};
+use vhostd_user::blk::workload::{self, Workload};
+use vhostd_user::{
+    blk, build_udp_frame, features, NetStats, Options, RxQueue, TxQueue, VirtioUser,
+};
 
 #[derive(Parser)]
 #[command(
@@ -23,6 +27,82 @@ struct Cli {
 enum Cmd {
     /// Drive a virtio-net vhost-user backend.
     Net(NetArgs),
+    /// Drive a virtio-blk vhost-user backend with a fio-like workload and
+    /// print one summary line: `blk mode=.. bs=.. iodepth=.. queues=..
+    /// ios=.. errors=.. bytes=.. seconds=.. iops=.. mbps=.. lat_us p50=..
+    /// p90=.. p99=.. p999=.. max=..` (mbps: 10^6 bytes/s; verify adds
+    /// `verify=ok|mismatch [first_mismatch=OFFSET] blocks=.. flush=..`),
+    /// then `reordered=N`: completions that overtook earlier requests.
+    /// Exits 1 on any request error or mismatch.
+    Blk(BlkArgs),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BlkMode {
+    /// Reads at random bs-aligned offsets.
+    Randread,
+    /// Writes at random bs-aligned offsets.
+    Randwrite,
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Write a pattern (from each block's offset and --seed) over the area
+    /// or --count blocks, FLUSH, read it all back and compare.
+    Verify,
+}
+
+#[derive(clap::Args)]
+struct BlkArgs {
+    /// The backend's vhost-user socket.
+    #[arg(long)]
+    socket_path: PathBuf,
+    /// What to do.
+    #[arg(long, value_enum)]
+    mode: BlkMode,
+    /// Bytes per request: a multiple of 512 (suffixes k, m: KiB, MiB).
+    #[arg(long, default_value = "4096", value_parser = parse_bs)]
+    bs: u32,
+    /// Requests in flight per queue.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    iodepth: u16,
+    /// Request queues (more than 1 needs VIRTIO_BLK_F_MQ).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    queues: u16,
+    /// Stop submitting after this many seconds (not for verify).
+    #[arg(long, value_parser = parse_duration)]
+    duration: Option<f64>,
+    /// Requests to make (verify: blocks). Default without --duration: one
+    /// pass over the area.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    count: Option<u64>,
+    /// Use packed virtqueues (VIRTIO_F_RING_PACKED; the backend must offer it).
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    packed: Switch,
+    /// Bytes of the disk to use from offset 0 (suffixes k, m, g, t); default all.
+    #[arg(long, value_parser = parse_bytes)]
+    size: Option<u64>,
+    /// Seeds random offsets and the verify pattern.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Busy-poll the used rings instead of sleeping on call eventfds.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    poll: Switch,
+    /// Negotiate VIRTIO_RING_F_EVENT_IDX (when offered).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    event_idx: Switch,
+    /// Pin the thread to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
+    /// Guest memory in MiB (default: what the queues need).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    mem_mb: Option<u64>,
+    /// How long to keep retrying to connect while the backend is not listening yet.
+    #[arg(long, default_value = "10", value_parser = parse_duration)]
+    connect_timeout: f64,
+    /// Fail when no request completes for this many seconds.
+    #[arg(long, default_value = "30", value_parser = parse_duration)]
+    stall_timeout: f64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -103,6 +183,29 @@ fn parse_duration(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, shift) = match t.as_bytes().last() {
+        Some(b'k') => (&t[..t.len() - 1], 10),
+        Some(b'm') => (&t[..t.len() - 1], 20),
+        Some(b'g') => (&t[..t.len() - 1], 30),
+        Some(b't') => (&t[..t.len() - 1], 40),
+        _ => (&t[..], 0),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|v| v.checked_mul(1u64 << shift))
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("`{s}` is not a positive byte count"))
+}
+
+fn parse_bs(s: &str) -> Result<u32, String> {
+    match parse_bytes(s)? {
+        v if v.is_multiple_of(512) && v <= 64 << 20 => Ok(v as u32),
+        _ => Err(format!("`{s}` is not a multiple of 512 up to 64 MiB")),
+    }
+}
+
 fn parse_queue_size(s: &str) -> Result<u16, String> {
     match s.parse::<u32>() {
         Ok(v) if v > 0 && v <= 32768 && v.is_power_of_two() => Ok(v as u16),
@@ -142,6 +245,20 @@ fn pin_to(cpu: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// Connects, retrying while the socket is not there yet.
+fn connect_retry(opts: Options, timeout: f64) -> Result<VirtioUser, String> {
+    let deadline = Instant::now() + Duration::from_secs_f64(timeout);
+    loop {
+        match VirtioUser::connect(opts.clone()) {
+            Ok(d) => return Ok(d),
+            Err(vhostd_user::Error::Vhost("connect", _)) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(format!("{}: {e}", opts.socket_path.display())),
+        }
+    }
+}
+
 fn connect(a: &NetArgs) -> Result<VirtioUser, String> {
     let mut opts = Options::new(&a.socket_path);
     opts.mem_size = a.mem_mb << 20;
@@ -162,17 +279,7 @@ fn connect(a: &NetArgs) -> Result<VirtioUser, String> {
     if a.in_order.on() {
         opts.features |= features::IN_ORDER;
     }
-    let deadline = Instant::now() + Duration::from_secs_f64(a.connect_timeout);
-    loop {
-        match VirtioUser::connect(opts.clone()) {
-            Ok(d) => return Ok(d),
-            Err(vhostd_user::Error::Vhost("connect", e)) if Instant::now() < deadline => {
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => return Err(format!("{}: {e}", a.socket_path.display())),
-        }
-    }
+    connect_retry(opts, a.connect_timeout)
 }
 
 struct Totals {
@@ -390,10 +497,127 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     Ok((t, seconds, failure))
 }
 
+fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
+    let mut opts = Options::blk(&a.socket_path);
+    opts.mem_size = match a.mem_mb {
+        Some(m) => m << 20,
+        None => blk::memory_needed(a.queues, a.iodepth, a.bs),
+    };
+    if a.event_idx.on() {
+        opts.features |= features::EVENT_IDX;
+    } else {
+        opts.features &= !features::EVENT_IDX;
+    }
+    if a.packed.on() {
+        opts.features |= features::RING_PACKED;
+        opts.required |= features::RING_PACKED;
+    }
+    let mut dev = connect_retry(opts, a.connect_timeout)?;
+    let f = dev.features();
+    eprintln!(
+        "vhostd-user: connected to {}: features {:#x} (offered {:#x}), protocol {:#x}, max queues {}, {} rings",
+        a.socket_path.display(),
+        f,
+        dev.offered_features(),
+        dev.protocol_features().bits(),
+        dev.max_queues(),
+        if dev.packed() { "packed" } else { "split" }
+    );
+    let cfg = dev.blk_config().map_err(|e| e.to_string())?;
+    eprintln!(
+        "vhostd-user: config capacity {} sectors ({} bytes) blk_size {} size_max {} seg_max {} num_queues {} writeback {} read_only {}",
+        cfg.capacity,
+        cfg.capacity_bytes(),
+        cfg.blk_size,
+        cfg.size_max,
+        cfg.seg_max,
+        cfg.num_queues,
+        cfg.writeback,
+        f & features::BLK_RO != 0
+    );
+    if a.queues > 1 && (f & features::BLK_MQ == 0 || cfg.num_queues < a.queues) {
+        return Err(format!(
+            "--queues {}: the device has {} (MQ {})",
+            a.queues,
+            if f & features::BLK_MQ != 0 {
+                cfg.num_queues
+            } else {
+                1
+            },
+            if f & features::BLK_MQ != 0 {
+                "negotiated"
+            } else {
+                "not offered"
+            }
+        ));
+    }
+    let mut queues = Vec::with_capacity(a.queues as usize);
+    for i in 0..a.queues {
+        queues.push(
+            dev.blk_queue(i, a.iodepth, a.bs)
+                .map_err(|e| format!("queue {i}: {e}"))?,
+        );
+    }
+    if let Some(cpu) = a.cpu {
+        pin_to(cpu)?;
+    }
+    let mode = match a.mode {
+        BlkMode::Randread => workload::Mode::RandRead,
+        BlkMode::Randwrite => workload::Mode::RandWrite,
+        BlkMode::Read => workload::Mode::Read,
+        BlkMode::Write => workload::Mode::Write,
+        BlkMode::Verify => workload::Mode::Verify,
+    };
+    let w = Workload {
+        iodepth: a.iodepth,
+        size: a.size,
+        count: a.count,
+        duration: a.duration.map(Duration::from_secs_f64),
+        seed: a.seed,
+        poll: a.poll.on(),
+        stall_timeout: Duration::from_secs_f64(a.stall_timeout),
+        ..Workload::new(mode, a.bs)
+    };
+    let report =
+        workload::run(&mut queues, cfg.capacity, &w, Some(&STOP)).map_err(|e| e.to_string())?;
+    if !dev.backend_gone() {
+        if let Err(e) = dev.disconnect() {
+            eprintln!("vhostd-user: warning: disconnect: {e}");
+        }
+    }
+    Ok(report)
+}
+
+fn blk_main(a: &BlkArgs) -> ExitCode {
+    match run_blk(a) {
+        Ok(r) => {
+            println!("{}", r.summary());
+            if let Some(e) = &r.first_error {
+                eprintln!("vhostd-user: {} errors, the first: {e}", r.errors);
+            }
+            if let Some(o) = r.mismatch {
+                eprintln!("vhostd-user: verify: data read back differs, first at byte offset {o}");
+            }
+            if r.passed() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("vhostd-user: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let Cmd::Net(a) = cli.cmd;
     install_signals();
+    let a = match cli.cmd {
+        Cmd::Net(a) => a,
+        Cmd::Blk(a) => return blk_main(&a),
+    };
     match run(&a) {
         Ok((t, secs, failure)) => {
             let main = if a.mode == Mode::Txonly { t.tx } else { t.rx };
