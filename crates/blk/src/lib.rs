@@ -1,9 +1,8 @@
 //! The virtio-blk device (virtio 1.2, section 5.2): reads requests from a
 //! virtqueue, checks them, runs them on a block backend and writes the
-//! status byte back. Requests run asynchronously, many per queue; the used
-//! ring is written in the order the chains were popped (a request that
-//! finishes early waits for the ones before it), which both ring layouts
-//! of `virtq` support.
+//! status byte back. Requests run asynchronously, many per queue, and each
+//! is completed as soon as it finishes, in any order (the device does not
+//! offer IN_ORDER): a slow request does not hold back the ones after it.
 //!
 //! A request is one chain: a 16-byte device-readable header (type,
 //! reserved, sector), data (device-readable for OUT, DISCARD and
@@ -209,11 +208,12 @@ struct Slot {
 /// One request queue's in-flight state and its backend.
 pub struct BlkQueue {
     backend: Box<dyn BlockBackend>,
+    /// One per request in flight at most; a request's tag is its slot.
     slots: Vec<Slot>,
-    /// Sequence numbers: `oldest` is the next to complete, `next` the next
-    /// to pop; slot = seq % slots.len().
-    oldest: u64,
-    next: u64,
+    /// Slots not in use.
+    free: Vec<u32>,
+    /// Slots whose request has finished, to be completed.
+    done: Vec<u32>,
     completions: Vec<Completion>,
     /// The device's counters.
     pub stats: BlkStats,
@@ -225,10 +225,9 @@ pub struct BlkQueue {
 unsafe impl Send for BlkQueue {}
 
 impl BlkQueue {
-    /// In-flight state for `backend`, with at most `depth` requests (a power
-    /// of two is not needed).
+    /// In-flight state for `backend`, with at most `depth` requests.
     pub fn new(backend: Box<dyn BlockBackend>, depth: usize) -> BlkQueue {
-        let depth = depth.max(1);
+        let depth = depth.clamp(1, u32::MAX as usize);
         let slots = (0..depth)
             .map(|_| Slot {
                 stage: Stage::Free,
@@ -241,12 +240,19 @@ impl BlkQueue {
                 bufs: Vec::with_capacity(SEG_MAX as usize),
             })
             .collect();
-        BlkQueue { backend, slots, oldest: 0, next: 0, completions: Vec::with_capacity(depth), stats: BlkStats::default() }
+        BlkQueue {
+            backend,
+            slots,
+            free: (0..depth as u32).rev().collect(),
+            done: Vec::with_capacity(depth),
+            completions: Vec::with_capacity(depth),
+            stats: BlkStats::default(),
+        }
     }
 
     /// Requests popped and not yet completed.
     pub fn in_flight(&self) -> usize {
-        (self.next - self.oldest) as usize
+        self.slots.len() - self.free.len()
     }
 
     /// The backend's completion descriptor (for a sleeping dataplane).
@@ -263,9 +269,17 @@ impl BlkQueue {
     /// new requests. Returns requests started or completed.
     pub fn process(&mut self, q: &mut Queue, batch: &mut Batch, dev: &BlkDevice) -> usize {
         let mut work = self.reap();
-        let room = (self.slots.len() - self.in_flight()).min(self.backend.room());
+        let room = self.free.len().min(self.backend.room());
         if room > 0 && !q.is_broken() {
+            let bad_before = q.stats().bad_chains;
             let n = q.pop_batch(batch, room, Access::ReadThenWrite);
+            // Chains the ring rejected already have a used entry (length 0):
+            // publish it now, or an otherwise idle driver waits for ever.
+            let rejected = (q.stats().bad_chains - bad_before) as usize;
+            if rejected > 0 {
+                q.publish_used();
+                work += rejected;
+            }
             for chain in &batch.chains {
                 let readable = batch.readable(chain);
                 let writable = batch.writable(chain);
@@ -276,7 +290,7 @@ impl BlkQueue {
                 work += n;
             }
         }
-        work += self.complete_in_order(q);
+        work += self.complete_done(q);
         if work > 0 {
             self.stats.batches += 1;
             self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight() as u64);
@@ -296,14 +310,15 @@ impl BlkQueue {
         // The backend has nothing left: a request still running was lost
         // (cannot happen with a correct backend); answer it IOERR rather
         // than keep pointers into memory that is about to go.
-        for slot in self.slots.iter_mut() {
+        for (i, slot) in self.slots.iter_mut().enumerate() {
             if matches!(slot.stage, Stage::Running | Stage::RunningThenFlush) {
                 slot.stage = Stage::Done;
                 slot.status = status::IOERR;
                 self.stats.ioerr += 1;
+                self.done.push(i as u32);
             }
         }
-        self.complete_in_order(q);
+        self.complete_done(q);
     }
 
     /// Takes the backend's completions into their slots. Returns how many.
@@ -314,14 +329,14 @@ impl BlkQueue {
         let mut resubmit = false;
         for i in 0..n {
             let c = self.completions[i];
-            let len = self.slots.len();
-            let Some(slot) = self.slots.get_mut((c.tag % len as u64) as usize) else { continue };
+            let Some(slot) = self.slots.get_mut(c.tag as usize) else { continue };
             match slot.stage {
                 Stage::Running | Stage::RunningThenFlush if c.result < 0 => {
                     self.stats.backend_errors += 1;
                     self.stats.ioerr += 1;
                     slot.status = status::IOERR;
                     slot.stage = Stage::Done;
+                    self.done.push(c.tag as u32);
                 }
                 Stage::RunningThenFlush => {
                     // The write is in; now make it durable.
@@ -334,11 +349,13 @@ impl BlkQueue {
                         slot.status = status::IOERR;
                         self.stats.ioerr += 1;
                         slot.stage = Stage::Done;
+                        self.done.push(c.tag as u32);
                     }
                 }
                 Stage::Running => {
                     slot.status = status::OK;
                     slot.stage = Stage::Done;
+                    self.done.push(c.tag as u32);
                 }
                 Stage::Free | Stage::Done => {}
             }
@@ -349,16 +366,13 @@ impl BlkQueue {
         n
     }
 
-    /// Writes status bytes and used entries for the oldest finished
-    /// requests, in pop order. Returns how many.
-    fn complete_in_order(&mut self, q: &mut Queue) -> usize {
-        let mut n = 0;
-        let len = self.slots.len() as u64;
-        while self.oldest < self.next {
-            let slot = &mut self.slots[(self.oldest % len) as usize];
-            if slot.stage != Stage::Done {
-                break;
-            }
+    /// Writes status bytes and used entries of the finished requests (in
+    /// the order they finished) with one publish. Returns how many.
+    fn complete_done(&mut self, q: &mut Queue) -> usize {
+        let n = self.done.len();
+        for k in 0..n {
+            let i = self.done[k] as usize;
+            let slot = &mut self.slots[i];
             if let Some(p) = slot.status_at {
                 // SAFETY: p is the last writable byte of the chain, inside a
                 // segment the queue translated into mapped guest memory.
@@ -376,12 +390,12 @@ impl BlkQueue {
                     _ => {}
                 }
             }
-            q.add_used(slot.head, used);
+            q.add_used_id(slot.head, used);
             slot.stage = Stage::Free;
             slot.bufs.clear();
-            self.oldest += 1;
-            n += 1;
+            self.free.push(i as u32);
         }
+        self.done.clear();
         if n > 0 {
             q.publish_used();
         }
@@ -390,10 +404,12 @@ impl BlkQueue {
 
     /// Parses one chain and starts it (or finishes it at once).
     fn start(&mut self, head: u16, read_len: u32, readable: &[Seg], writable: &[Seg], dev: &BlkDevice) {
-        let len = self.slots.len() as u64;
-        let seq = self.next;
-        self.next += 1;
-        let slot = &mut self.slots[(seq % len) as usize];
+        // `process` pops no more chains than there are free slots.
+        let Some(seq) = self.free.pop() else { return };
+        // Finished at once unless handed to the backend below.
+        self.done.push(seq);
+        let seq = seq as u64;
+        let slot = &mut self.slots[seq as usize];
         slot.head = head;
         slot.bufs.clear();
         slot.used_len = 1;
@@ -489,13 +505,11 @@ impl BlkQueue {
                 } else {
                     self.stats.write_zeroes += 1;
                 }
+                // Neither is offered on a read-only disk (see `features`):
+                // UNSUPP, as for any feature the driver was not given.
                 let offered = if discard { disk.discard } else { disk.write_zeroes };
-                if !offered {
+                if !offered || disk.read_only {
                     return fail(slot, status::UNSUPP, &mut self.stats);
-                }
-                if disk.read_only {
-                    self.stats.read_only += 1;
-                    return fail(slot, status::IOERR, &mut self.stats);
                 }
                 // Exactly one range (max_discard_seg / max_write_zeroes_seg = 1).
                 let mut r = [0u8; 16];
@@ -521,7 +535,9 @@ impl BlkQueue {
                     slot.status = status::OK;
                     return;
                 }
-                let op = if discard { Op::Discard } else { Op::WriteZeroes { unmap: flags & 1 != 0 } };
+                // Unmap only where the config space says it may
+                // (write_zeroes_may_unmap follows discard=on).
+                let op = if discard { Op::Discard } else { Op::WriteZeroes { unmap: flags & 1 != 0 && disk.discard } };
                 (op, offset, bytes, false)
             }
             _ => return fail(slot, status::UNSUPP, &mut self.stats),
@@ -535,6 +551,7 @@ impl BlkQueue {
         match unsafe { self.backend.queue(&req) } {
             Ok(()) => {
                 slot.stage = if write_through { Stage::RunningThenFlush } else { Stage::Running };
+                self.done.pop();
             }
             Err(_) => {
                 self.stats.backend_errors += 1;

@@ -390,6 +390,7 @@ struct Slot {
     writable_len: u32,
     /// Raw: offset of the writable bytes in the data area, or None for typed.
     raw_writable_at: Option<u32>,
+    /// When the device could first see it (set by `flush`).
     submitted: Instant,
     /// Submission number (1, 2, ...), to see completions overtake others.
     seq: u64,
@@ -419,6 +420,9 @@ pub struct BlkQueue {
     readable: Vec<Buf>,
     writable: Vec<Buf>,
     used: Vec<Used>,
+    /// Slots submitted since the last `flush`: stamped there with one
+    /// clock read (a clock read per request costs the frontend ~15 %).
+    unflushed: Vec<u16>,
     seq: u64,
     max_done_seq: u64,
     reordered: u64,
@@ -542,6 +546,7 @@ impl VirtioUser {
             readable: Vec::with_capacity(size as usize),
             writable: Vec::with_capacity(size as usize),
             used: vec![Used::default(); size as usize],
+            unflushed: Vec::with_capacity(depth as usize),
             seq: 0,
             max_done_seq: 0,
             reordered: 0,
@@ -674,7 +679,7 @@ impl BlkQueue {
         s.data_len = data_len;
         s.writable_len = 1 + if let Data::In(n) = data { n } else { 0 };
         s.raw_writable_at = None;
-        s.submitted = Instant::now();
+        self.unflushed.push(slot);
         self.seq += 1;
         s.seq = self.seq;
         Ok(true)
@@ -824,7 +829,7 @@ impl BlkQueue {
         s.writable_len = off - writable_at.unwrap_or(off);
         s.data_len = s.writable_len;
         s.raw_writable_at = Some(writable_at.unwrap_or(off));
-        s.submitted = Instant::now();
+        self.unflushed.push(slot);
         self.seq += 1;
         s.seq = self.seq;
         Ok(true)
@@ -833,6 +838,12 @@ impl BlkQueue {
     /// Publishes what was submitted and kicks if the device wants it.
     #[inline]
     pub fn flush(&mut self) -> Result<bool, Error> {
+        if !self.unflushed.is_empty() {
+            let now = Instant::now();
+            for slot in self.unflushed.drain(..) {
+                self.slots[slot as usize].submitted = now;
+            }
+        }
         self.queue.publish_and_kick()
     }
 

@@ -11,10 +11,12 @@
 //! word last, so the driver, which only ever polls the next slot, sees the
 //! whole batch at once (one publishing store per batch, as with used.idx).
 //!
-//! Chains must be completed in the order they were popped (every device path
-//! here does): the queue remembers each popped chain's descriptor count in a
-//! FIFO, which is what a used descriptor skips. The driver's buffer ids are
-//! only echoed back, never used as indexes.
+//! The queue remembers each popped chain's descriptor count in a FIFO,
+//! which is what its used descriptor skips. `add_used` completes the oldest
+//! chain (the net paths complete in pop order); `add_used_id` completes the
+//! chain with a given buffer id wherever it is (virtio-blk requests finish
+//! in any order). The driver's buffer ids are only echoed back and compared,
+//! never used as indexes.
 //!
 //! Everything read from the ring is hostile, as in `split.rs`: a bad chain is
 //! completed with length 0 and counted; a chain whose later descriptors are
@@ -101,6 +103,8 @@ struct Popped {
     start: u16,
     start_wrap: bool,
     ndesc: u16,
+    /// The chain's buffer id.
+    id: u16,
 }
 
 /// The device side of one packed virtqueue.
@@ -372,7 +376,7 @@ impl PackedQueue {
                             read_len: if write { 0 } else { d.len },
                             write_len: if write { d.len } else { 0 },
                         });
-                        self.push_popped(pos, 1);
+                        self.push_popped(pos, 1, d.id);
                         self.next_avail = pos.advance(1, self.size);
                         self.stats.fast_chains += 1;
                         continue;
@@ -388,8 +392,9 @@ impl PackedQueue {
                 }
                 Walk::Done(Ok(mut chain), ndesc, _) => {
                     chain.seg_start = seg_start as u32;
+                    let id = chain.head;
                     batch.chains.push(chain);
-                    self.push_popped(pos, ndesc);
+                    self.push_popped(pos, ndesc, id);
                     self.next_avail = pos.advance(ndesc, self.size);
                 }
                 Walk::Done(Err(_), _, _) if !batch.chains.is_empty() || self.popped_len != 0 => {
@@ -402,7 +407,7 @@ impl PackedQueue {
                 Walk::Done(Err(e), ndesc, id) => {
                     batch.segs.truncate(seg_start);
                     self.stats.count(e);
-                    self.push_popped(pos, ndesc);
+                    self.push_popped(pos, ndesc, id);
                     self.next_avail = pos.advance(ndesc, self.size);
                     self.add_used(id, 0);
                 }
@@ -465,7 +470,7 @@ impl PackedQueue {
                 read_len: if write { 0 } else { d[k].len },
                 write_len: if write { d[k].len } else { 0 },
             });
-            self.push_popped(pos.advance(k as u16, self.size), 1);
+            self.push_popped(pos.advance(k as u16, self.size), 1, d[k].id);
         }
         self.next_avail = pos.advance(4, self.size);
         self.stats.fast_chains += 4;
@@ -479,10 +484,10 @@ impl PackedQueue {
     }
 
     #[inline]
-    fn push_popped(&mut self, start: Pos, ndesc: u16) {
+    fn push_popped(&mut self, start: Pos, ndesc: u16, id: u16) {
         let n = self.popped.len();
         let i = wrap_index(self.popped_head + self.popped_len, n);
-        self.popped[i] = Popped { start: start.idx, start_wrap: start.wrap, ndesc };
+        self.popped[i] = Popped { start: start.idx, start_wrap: start.wrap, ndesc, id };
         self.popped_len += 1;
     }
 
@@ -646,6 +651,25 @@ impl PackedQueue {
             Self::write_u16(self.ring, base + DESC_FLAGS, flags);
         }
         self.next_used = self.next_used.advance(p.ndesc, self.size);
+    }
+
+    /// Completes the popped chain with buffer id `id` (the oldest such, if a
+    /// driver reuses ids), wherever it is in pop order; its used descriptor
+    /// goes in the next used slot and skips that chain's descriptor count,
+    /// as the driver expects of out-of-order completions (virtio 1.2,
+    /// 2.8.21.2). Does nothing if no popped chain has that id.
+    pub fn add_used_id(&mut self, id: u16, len: u32) {
+        let n = self.popped.len();
+        let Some(k) = (0..self.popped_len).find(|&k| self.popped[wrap_index(self.popped_head + k, n)].id == id) else {
+            return;
+        };
+        // Move it to the front: the ones before it keep their order.
+        let found = self.popped[wrap_index(self.popped_head + k, n)];
+        for j in (0..k).rev() {
+            self.popped[wrap_index(self.popped_head + j + 1, n)] = self.popped[wrap_index(self.popped_head + j, n)];
+        }
+        self.popped[self.popped_head] = found;
+        self.add_used(id, len);
     }
 
     /// Completes the `chains` popped last (oldest first) as read with

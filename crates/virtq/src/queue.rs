@@ -107,6 +107,13 @@ impl Queue {
         each!(self, q => q.add_used(head, len))
     }
 
+    /// Completes the popped chain `head` (its buffer id), in whatever order
+    /// chains finish; visible after `publish_used`.
+    #[inline]
+    pub fn add_used_id(&mut self, head: u16, len: u32) {
+        each!(self, q => q.add_used_id(head, len))
+    }
+
     /// Completes a popped batch as read, nothing written (one used entry
     /// for it all with IN_ORDER).
     #[inline]

@@ -643,6 +643,12 @@ impl SplitQueue {
         self.next_used = self.next_used.wrapping_add(1);
     }
 
+    /// `add_used`: a split ring takes used elements in any order.
+    #[inline]
+    pub fn add_used_id(&mut self, head: u16, len: u32) {
+        self.add_used(head, len)
+    }
+
     /// Completes every chain in `chains` (popped in this order, the oldest
     /// first) as read with nothing written. With IN_ORDER that is one used
     /// element, the last chain's, and used.idx moves by the whole batch
