@@ -6,13 +6,59 @@ use std::path::PathBuf;
 use vhostd_backends::{AfXdpSpec, BackendKind, TapSpec, XdpMode};
 use vhostd_block_backends::BlockSpec;
 
-/// vhost-user device daemon: serves virtio devices to a VMM over a
-/// vhost-user socket, moving packets on its own dataplane threads.
+/// vhost-user device daemon: serves virtio-net and virtio-blk devices to a
+/// VMM (QEMU, cloud-hypervisor, DPDK virtio-user) over vhost-user sockets,
+/// moving packets and block requests on its own dataplane threads.
+///
+/// One device: `vhostd net ...` or `vhostd blk ...`. Several devices in one
+/// daemon: `vhostd --config FILE`. Watch a running daemon: `vhostd stats`.
 #[derive(Parser, Debug)]
-#[command(name = "vhostd", version, about, long_about = None)]
+#[command(name = "vhostd", version, about, long_about, args_conflicts_with_subcommands = true, arg_required_else_help = true)]
 pub struct Cli {
+    /// Serve every device of a TOML configuration file ([[net]] and [[blk]]
+    /// tables with the keys of `vhostd net|blk`'s options; see the README).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Control socket for `vhostd stats` (created; removed on exit). For
+    /// `vhostd stats`: the socket to read (default /run/vhostd/control.sock).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Serve Prometheus metrics over HTTP at ADDR (`PORT` means 127.0.0.1:PORT).
+    #[arg(long, global = true, value_name = "ADDR", value_parser = parse_metrics_addr)]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Log lines as text (default) or JSON objects, on stderr.
+    #[arg(long, global = true, value_enum)]
+    pub log_format: Option<LogFormat>,
     #[command(subcommand)]
-    pub command: Command,
+    pub command: Option<Command>,
+}
+
+impl Cli {
+    /// Parses `argv` (first element: the program) without exiting.
+    pub fn try_parse_args(argv: &[String]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(argv)
+    }
+}
+
+/// How log lines look.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `PORT` (on 127.0.0.1) or `HOST:PORT`.
+pub fn parse_metrics_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    use std::net::ToSocketAddrs;
+    s.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| format!("expected PORT or HOST:PORT (e.g. 9480 or 127.0.0.1:9480), got '{s}'"))
 }
 
 #[derive(Subcommand, Debug)]
@@ -21,10 +67,96 @@ pub enum Command {
     Net(NetArgs),
     /// Serve a virtio-blk device.
     Blk(BlkArgs),
+    /// Show a running vhostd's devices and queues: rates and totals, read
+    /// from its control socket (--control).
+    Stats(StatsArgs),
     /// Do the privileged AF_XDP set-up (sockets, XDP program, XSKMAP), then
     /// run COMMAND (e.g. setpriv ... vhostd net ...) with the sockets
     /// inherited: `{sock-fds}` in its arguments becomes their numbers.
     XdpHelper(XdpHelperArgs),
+    /// Print the man page (roff) generated from these options.
+    #[command(hide = true)]
+    Man,
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    /// Refresh the table every --interval until interrupted.
+    #[arg(long)]
+    pub watch: bool,
+    /// Seconds between the two samples rates are taken from.
+    #[arg(long, default_value = "1", value_parser = parse_interval)]
+    pub interval: f64,
+    /// Print the daemon's raw counters as one JSON object instead.
+    #[arg(long, conflicts_with = "watch")]
+    pub json: bool,
+}
+
+fn parse_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.1..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("expected seconds from 0.1 to 3600, got '{s}'")),
+    }
+}
+
+/// A device's options, from the command line or a configuration file.
+#[derive(Debug)]
+pub enum DeviceArgs {
+    Net(NetArgs),
+    Blk(BlkArgs),
+}
+
+impl DeviceArgs {
+    /// `net` or `blk`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DeviceArgs::Net(_) => "net",
+            DeviceArgs::Blk(_) => "blk",
+        }
+    }
+
+    /// The listening socket (None with --fd).
+    pub fn socket_path(&self) -> Option<&std::path::Path> {
+        match self {
+            DeviceArgs::Net(a) => a.socket_path.as_deref(),
+            DeviceArgs::Blk(a) => a.socket_path.as_deref(),
+        }
+    }
+
+    /// The connected socket handed in (--fd).
+    pub fn fd(&self) -> Option<i32> {
+        match self {
+            DeviceArgs::Net(a) => a.fd,
+            DeviceArgs::Blk(a) => a.fd,
+        }
+    }
+
+    /// Checks across options that clap cannot express.
+    pub fn check(&self) -> Result<(), String> {
+        match self {
+            DeviceArgs::Net(net) => net_check(net),
+            DeviceArgs::Blk(_) => Ok(()),
+        }
+    }
+}
+
+/// A net device's checks across options that clap cannot express.
+fn net_check(net: &NetArgs) -> Result<(), String> {
+    {
+        if let BackendArg::Tap(spec) = &net.backend {
+            if !spec.fds.is_empty() && spec.fds.len() != net.queues as usize {
+                return Err(format!(
+                    "--backend tap,fd=...: {} descriptor(s) for --queues {}; give one TAP queue descriptor per queue pair",
+                    spec.fds.len(),
+                    net.queues
+                ));
+            }
+        }
+        if let BackendArg::AfXdp(spec) = &net.backend {
+            spec.check(net.queues as usize).map_err(|e| format!("--backend af-xdp: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Args, Debug)]
@@ -223,10 +355,20 @@ fn parse_backend(s: &str) -> Result<BackendArg, String> {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("endpoint").required(true).args(["socket_path", "fd"])))]
 pub struct NetArgs {
-    /// Unix socket to listen on for the vhost-user frontend (created; removed on exit).
+    /// Unix socket to listen on for the vhost-user frontend (created; removed
+    /// on exit). vhostd serves one frontend at a time, and the next after a
+    /// disconnect.
     #[arg(long, value_name = "PATH")]
-    pub socket_path: PathBuf,
+    pub socket_path: Option<PathBuf>,
+    /// An already-connected vhost-user socket (e.g. one end of a socketpair
+    /// from libvirt); vhostd serves it and exits when it closes.
+    #[arg(long, value_name = "FDNUM", value_parser = parse_fd)]
+    pub fd: Option<i32>,
+    /// Print the vhost-user backend capabilities (JSON) and exit.
+    #[arg(long)]
+    pub print_capabilities: bool,
     /// Packet backend: loopback, sink, source, tap,ifname=NAME[,offloads=on|off]
     /// (creates or attaches to TAP NAME; one TAP queue per queue pair) or
     /// tap,fd=N[:M...][,offloads=on|off] (already-open TAP queues, one per
@@ -266,16 +408,32 @@ pub struct NetArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("endpoint").required(true).args(["socket_path", "fd"])))]
 pub struct BlkArgs {
-    /// Unix socket to listen on for the vhost-user frontend (created; removed on exit).
+    /// Unix socket to listen on for the vhost-user frontend (created; removed
+    /// on exit).
     #[arg(long, value_name = "PATH")]
-    pub socket_path: PathBuf,
+    pub socket_path: Option<PathBuf>,
+    /// An already-connected vhost-user socket; vhostd serves it and exits
+    /// when it closes.
+    #[arg(long, value_name = "FDNUM", value_parser = parse_fd)]
+    pub fd: Option<i32>,
+    /// Print the vhost-user backend capabilities (JSON) and exit.
+    #[arg(long)]
+    pub print_capabilities: bool,
     /// Block backend: file,path=IMG[,readonly=on][,direct=on][,discard=on]
     /// (an image file or block device through io_uring; direct: O_DIRECT;
     /// discard: pass discards on as hole punching) or null,size=SIZE (no
     /// storage: every request succeeds; SIZE in bytes or with K, M, G, T).
-    #[arg(long, value_parser = parse_blk_backend, value_name = "BACKEND")]
-    pub backend: BlockSpec,
+    #[arg(long, value_parser = parse_blk_backend, value_name = "BACKEND", required_unless_present = "blk_file", conflicts_with = "blk_file")]
+    pub backend: Option<BlockSpec>,
+    /// The image file, as QEMU's vhost-user-blk convention names it: the same
+    /// as --backend file,path=IMG.
+    #[arg(long, value_name = "IMG")]
+    pub blk_file: Option<PathBuf>,
+    /// With --blk-file: serve it read-only (--backend file,...,readonly=on).
+    #[arg(long, requires = "blk_file")]
+    pub read_only: bool,
     /// Request queues (one dataplane thread each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub queues: u16,
@@ -300,10 +458,28 @@ pub struct BlkArgs {
     pub serial: Option<String>,
 }
 
+/// A descriptor number handed to us (0, 1 and 2 are stdio).
+fn parse_fd(s: &str) -> Result<i32, String> {
+    match s.parse::<i32>() {
+        Ok(fd) if fd >= 3 => Ok(fd),
+        _ => Err(format!("expected an open descriptor number of 3 or more, got '{s}'")),
+    }
+}
+
 impl BlkArgs {
+    /// The backend, from --backend or --blk-file [--read-only].
+    pub fn spec(&self) -> BlockSpec {
+        match (&self.backend, &self.blk_file) {
+            (Some(b), _) => b.clone(),
+            (None, Some(path)) => BlockSpec::File { path: path.clone(), readonly: self.read_only, direct: false, discard: false },
+            // clap requires one of them.
+            (None, None) => BlockSpec::Null { size: 512 },
+        }
+    }
+
     /// GET_ID's answer when --serial is not given.
     pub fn default_serial(&self) -> String {
-        match &self.backend {
+        match &self.spec() {
             BlockSpec::File { path, .. } => {
                 let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 name.chars().take(20).collect()
@@ -314,7 +490,7 @@ impl BlkArgs {
 
     /// The backend for the log.
     pub fn backend_description(&self) -> String {
-        match &self.backend {
+        match &self.spec() {
             BlockSpec::File { path, direct, discard, .. } => format!(
                 "file {}{}{}",
                 path.display(),
@@ -489,31 +665,44 @@ impl NetArgs {
 }
 
 /// Parses the process arguments; exits with status 2 on a bad one.
+///
+/// Called as `vhostd-net` or `vhostd-blk` (a link to vhostd, as QEMU's
+/// vhost-user backend descriptors name a program per device type) it is
+/// `vhostd net` / `vhostd blk`. `--print-capabilities` prints the backend's
+/// capabilities (vhost-user.rst, "Backend program conventions") before any
+/// other option is looked at, as a VMM manager probing it expects.
 pub fn parse() -> Cli {
-    let cli = Cli::parse();
-    let Command::Net(net) = &cli.command else { return cli };
-    if let BackendArg::Tap(spec) = &net.backend {
-        if !spec.fds.is_empty() && spec.fds.len() != net.queues as usize {
-            Cli::command()
-                .error(
-                    clap::error::ErrorKind::ArgumentConflict,
-                    format!(
-                        "--backend tap,fd=...: {} descriptor(s) for --queues {}; give one TAP queue descriptor per queue pair",
-                        spec.fds.len(),
-                        net.queues
-                    ),
-                )
-                .exit();
+    let mut argv: Vec<String> = std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect();
+    if argv.is_empty() {
+        argv.push("vhostd".into());
+    }
+    let prog = std::path::Path::new(&argv[0]).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    match prog.as_str() {
+        "vhostd-net" => argv.insert(1, "net".into()),
+        "vhostd-blk" => argv.insert(1, "blk".into()),
+        _ => {}
+    }
+    if argv.iter().skip(2).any(|a| a == "--print-capabilities") {
+        match argv.get(1).map(String::as_str) {
+            Some("net") => print_and_exit(r#"{"type":"net"}"#),
+            Some("blk") => print_and_exit(r#"{"type":"block","features":["read-only","blk-file"]}"#),
+            _ => {}
         }
     }
-    if let BackendArg::AfXdp(spec) = &net.backend {
-        if let Err(e) = spec.check(net.queues as usize) {
-            Cli::command()
-                .error(clap::error::ErrorKind::ArgumentConflict, format!("--backend af-xdp: {e}"))
-                .exit();
-        }
+    let cli = Cli::parse_from(&argv);
+    let check = match &cli.command {
+        Some(Command::Net(a)) => net_check(a),
+        _ => Ok(()),
+    };
+    if let Err(e) = check {
+        Cli::command().error(clap::error::ErrorKind::ArgumentConflict, e).exit();
     }
     cli
+}
+
+fn print_and_exit(s: &str) -> ! {
+    println!("{s}");
+    std::process::exit(0)
 }
 
 #[cfg(test)]

@@ -1,23 +1,26 @@
-//! The control thread: listens on the socket, serves one frontend at a
-//! time, survives disconnects, and stops cleanly on SIGINT/SIGTERM.
+//! The control threads: one per device listens on its socket and serves one
+//! frontend at a time, surviving disconnects; the main thread waits for
+//! signals and stops everything cleanly on SIGINT/SIGTERM.
 
 use std::io::{self, Write};
-use std::os::unix::io::{AsRawFd, RawFd};
+use std::os::unix::io::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use vhostd_net::CtrlState;
 
-use crate::cli::{BlkArgs, NetArgs, WaitMode};
+use crate::cli::{BlkArgs, DeviceArgs, NetArgs, WaitMode};
+use crate::config::DeviceSpec;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::session::{Device, Session};
 use crate::worker::{self, Engine, Mode, Shared, WorkerReport};
 use vhostd_blk::{BlkDevice, BlkQueue};
 
 /// Removes the socket file when dropped (also on error paths).
-struct SocketFile(PathBuf);
+pub struct SocketFile(PathBuf);
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
@@ -25,22 +28,34 @@ impl Drop for SocketFile {
     }
 }
 
+impl SocketFile {
+    /// Removes `path` when dropped.
+    pub fn new(path: PathBuf) -> SocketFile {
+        SocketFile(path)
+    }
+}
+
 /// Binds the socket; a stale socket file (nobody listening) is replaced,
 /// a live one is an error.
 fn bind(path: &Path) -> io::Result<UnixListener> {
+    bind_as(path, "--socket-path")
+}
+
+/// `bind` for the option `what` (named in errors).
+pub fn bind_as(path: &Path, what: &str) -> io::Result<UnixListener> {
     match UnixListener::bind(path) {
         Ok(l) => Ok(l),
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
             if UnixStream::connect(path).is_ok() {
                 return Err(io::Error::new(
                     io::ErrorKind::AddrInUse,
-                    format!("--socket-path {}: another process is listening there", path.display()),
+                    format!("{what} {}: another process is listening there", path.display()),
                 ));
             }
             std::fs::remove_file(path)?;
-            UnixListener::bind(path)
+            UnixListener::bind(path).map_err(|e| io::Error::new(e.kind(), format!("{what} {}: {e}", path.display())))
         }
-        Err(e) => Err(io::Error::new(e.kind(), format!("--socket-path {}: {e}", path.display()))),
+        Err(e) => Err(io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()))),
     }
 }
 
@@ -199,19 +214,14 @@ fn is_fatal(e: &VuError) -> bool {
     )
 }
 
-/// Serves one connection until it ends. Returns true if a signal asked us to stop.
-fn serve(conn: UnixStream, dev: &Arc<Device>, signals: &Signals) -> io::Result<bool> {
+/// Serves one connection until it ends. Returns true if `stop` was signalled.
+fn serve(conn: UnixStream, dev: &Arc<Device>, stop: RawFd) -> io::Result<bool> {
     let session = Arc::new(Mutex::new(Session::new(dev.clone())));
     let mut handler = BackendReqHandler::from_stream(conn.try_clone()?, session.clone());
     let mut refused = 0u64;
-    let stop = loop {
-        if wait_readable(&[conn.as_raw_fd(), signals.0])? == 1 {
-            match signals.take() {
-                SignalAsk::Stop => break true,
-                SignalAsk::PrintStats => print_any_stats(dev),
-                SignalAsk::Nothing => {}
-            }
-            continue;
+    let stopped = loop {
+        if wait_readable(&[conn.as_raw_fd(), stop])? == 1 {
+            break true;
         }
         match handle_own_msg(&conn, &session) {
             Ok(true) => continue,
@@ -243,12 +253,23 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, signals: &Signals) -> io::Result<b
     if let Ok(mut s) = session.lock() {
         s.reset();
     }
-    Ok(stop)
+    Ok(stopped)
 }
 
-/// Runs the net device until SIGINT/SIGTERM.
-pub fn run_net(args: NetArgs) -> io::Result<()> {
-    let signals = Signals::new()?;
+/// Where a device meets its frontend.
+pub enum Endpoint {
+    /// A listening socket (and its file, removed when this goes).
+    Listen(UnixListener, SocketFile),
+    /// An already-connected socket (--fd).
+    Conn(UnixStream),
+}
+
+/// What a device needs kept alive beside its workers (the AF_XDP program's link).
+type Hold = Option<Box<dyn std::any::Any>>;
+
+/// Builds a net device: backend, workers, endpoint. Nothing is left behind
+/// on error (the socket file is removed, the XDP program detached).
+fn build_net(name: &str, args: &NetArgs) -> io::Result<(Arc<Device>, Endpoint, Hold)> {
     let mac = args.mac.0;
     // Backends first: a TAP that cannot be opened leaves nothing behind.
     let backends = vhostd_backends::build(&args.backend_kind(), mac, args.queues as usize)?;
@@ -265,9 +286,9 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
     if let Some(x) = &backends.af_xdp {
         tracing::info!("{x}, {} queue pair(s)", args.queues);
     }
-    // The XDP program stays attached while this lives: until we return.
-    let _af_xdp = backends.af_xdp;
-    let listener = bind(&args.socket_path)?;
+    // The XDP program stays attached while this lives.
+    let hold: Hold = backends.af_xdp.map(|x| Box::new(x) as Box<dyn std::any::Any>);
+    let endpoint = endpoint(args.socket_path.as_deref(), args.fd)?;
     let shared = Arc::new(Shared {
         active_pairs: AtomicU16::new(args.queues),
         ctrl: Mutex::new(CtrlState::new(args.queues, mac)),
@@ -281,7 +302,7 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
     let mut workers = Vec::new();
     for (pair, backend) in backends.queues.into_iter().enumerate() {
         let cpu = args.cpus.as_ref().map(|l| l.0[pair % l.0.len()]);
-        workers.push(worker::spawn(pair as u16, Engine::Net(backend), mode, cpu, shared.clone())?);
+        workers.push(worker::spawn(name, pair as u16, Engine::Net(backend), mode, cpu, shared.clone())?);
     }
     let _ = shared.wakers.set(workers.iter().map(|w| w.waker()).collect::<io::Result<_>>()?);
     let dev = Arc::new(Device {
@@ -293,7 +314,7 @@ pub fn run_net(args: NetArgs) -> io::Result<()> {
         workers,
         shared,
     });
-    run_device(listener, &args.socket_path, dev, signals)
+    Ok((dev, endpoint, hold))
 }
 
 fn wait_mode(poll: bool, mode: WaitMode, poll_idle_us: u64) -> Mode {
@@ -304,12 +325,13 @@ fn wait_mode(poll: bool, mode: WaitMode, poll_idle_us: u64) -> Mode {
     }
 }
 
-/// Runs the blk device until SIGINT/SIGTERM.
-pub fn run_blk(args: BlkArgs) -> io::Result<()> {
-    let signals = Signals::new()?;
+/// Builds a blk device: the disk, workers, endpoint.
+fn build_blk(name: &str, args: &BlkArgs) -> io::Result<(Arc<Device>, Endpoint, Hold)> {
     // The disk first: a path that cannot be opened leaves nothing behind.
-    let (disk, backends) = vhostd_block_backends::open(&args.backend, args.queues as usize, BACKEND_DEPTH)
-        .map_err(|e| io::Error::new(e.kind(), format!("--backend {}: {e}", args.backend_description())))?;
+    let spec = args.spec();
+    let what = if args.backend.is_some() { "--backend" } else { "--blk-file" };
+    let (disk, backends) = vhostd_block_backends::open(&spec, args.queues as usize, BACKEND_DEPTH)
+        .map_err(|e| io::Error::new(e.kind(), format!("{what} {}: {e}", args.backend_description())))?;
     let serial = args.serial.clone().unwrap_or_else(|| args.default_serial());
     let blk = Arc::new(BlkDevice::new(disk, args.queues, &serial));
     tracing::info!(
@@ -320,10 +342,10 @@ pub fn run_blk(args: BlkArgs) -> io::Result<()> {
         disk.block_size,
         if disk.read_only { "read-only" } else { "read-write" },
         if disk.discard { ", discard" } else { "" },
-        if disk.write_zeroes { ", write-zeroes" } else { "" },
+        if disk.write_zeroes && !disk.read_only { ", write-zeroes" } else { "" },
         args.queues
     );
-    let listener = bind(&args.socket_path)?;
+    let endpoint = endpoint(args.socket_path.as_deref(), args.fd)?;
     let shared = Arc::new(Shared {
         active_pairs: AtomicU16::new(args.queues),
         ctrl: Mutex::new(CtrlState::new(args.queues, [0; 6])),
@@ -338,7 +360,7 @@ pub fn run_blk(args: BlkArgs) -> io::Result<()> {
     for (i, backend) in backends.into_iter().enumerate() {
         let cpu = args.cpus.as_ref().map(|l| l.0[i % l.0.len()]);
         let engine = Engine::Blk { queue: Box::new(BlkQueue::new(backend, BACKEND_DEPTH)), dev: blk.clone() };
-        workers.push(worker::spawn(i as u16, engine, mode, cpu, shared.clone())?);
+        workers.push(worker::spawn(name, i as u16, engine, mode, cpu, shared.clone())?);
     }
     let dev = Arc::new(Device {
         pairs: args.queues,
@@ -349,49 +371,232 @@ pub fn run_blk(args: BlkArgs) -> io::Result<()> {
         workers,
         shared,
     });
-    run_device(listener, &args.socket_path, dev, signals)
+    Ok((dev, endpoint, None))
 }
 
 /// Requests in flight per blk queue, at most.
 const BACKEND_DEPTH: usize = 256;
 
-/// Serves frontends one after the other until SIGINT/SIGTERM, then stops
-/// the workers and prints their counters. The socket file goes on return.
-fn run_device(listener: UnixListener, socket_path: &Path, dev: Arc<Device>, signals: Signals) -> io::Result<()> {
-    let _socket_file = SocketFile(socket_path.to_path_buf());
-    eprintln!("vhostd: listening on {}", socket_path.display());
+/// The listening socket at `path`, or the connected socket `fd` (checked:
+/// an open Unix stream socket).
+fn endpoint(path: Option<&Path>, fd: Option<RawFd>) -> io::Result<Endpoint> {
+    match (path, fd) {
+        (Some(p), _) => Ok(Endpoint::Listen(bind(p)?, SocketFile(p.to_path_buf()))),
+        (None, Some(fd)) => {
+            let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("--fd {fd}: {what}"));
+            let (mut ty, mut domain) = (0i32, 0i32);
+            let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+            // SAFETY: getsockopt writes at most `len` bytes into a local i32.
+            let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, &mut ty as *mut i32 as *mut libc::c_void, &mut len) };
+            if r != 0 {
+                return Err(bad(&format!("not an open socket ({})", io::Error::last_os_error())));
+            }
+            let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+            // SAFETY: as above.
+            unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN, &mut domain as *mut i32 as *mut libc::c_void, &mut len) };
+            if ty != libc::SOCK_STREAM || domain != libc::AF_UNIX {
+                return Err(bad("not a Unix stream socket"));
+            }
+            // SAFETY: fd is an open socket we were handed to own (checked above).
+            let conn = unsafe { UnixStream::from_raw_fd(fd) };
+            // Not inherited by anything we might run.
+            // SAFETY: fcntl on an fd we own.
+            unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            Ok(Endpoint::Conn(conn))
+        }
+        (None, None) => Err(io::Error::new(io::ErrorKind::InvalidInput, "--socket-path or --fd is required")),
+    }
+}
+
+/// A device being served, as the control socket and metrics see it.
+pub struct DeviceEntry {
+    /// Its name (logs, stats, metrics).
+    pub name: String,
+    /// `net` or `blk`.
+    pub kind: &'static str,
+    /// The socket path, or `fd N`.
+    pub endpoint: String,
+    /// The device.
+    pub dev: Arc<Device>,
+    /// A frontend is connected.
+    pub connected: AtomicBool,
+    /// Connections accepted so far.
+    pub connections: AtomicU64,
+    /// Why the device stopped serving, if it failed.
+    pub failed: Mutex<Option<String>>,
+    /// Ends the device's thread.
+    stop: EventFd,
+}
+
+/// Global options of a run.
+#[derive(Default)]
+pub struct Globals {
+    /// Control socket for `vhostd stats`.
+    pub control: Option<PathBuf>,
+    /// Prometheus endpoint.
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
+/// Serves `devices` until SIGINT/SIGTERM (or, for a device on --fd, until
+/// its connection closes), then stops the workers and prints the counters.
+/// Every device is set up before any is served: one that cannot be set up
+/// stops the start, naming it, with nothing left behind. Once running, a
+/// device that fails is logged and marked; the others go on.
+pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
+    let signals = Signals::new()?;
+    let named = devices.len() > 1;
+    let mut built = Vec::new();
+    for d in &devices {
+        let _span = tracing::info_span!("dev", device = %d.name).entered();
+        let r = match &d.args {
+            DeviceArgs::Net(a) => build_net(&d.name, a),
+            DeviceArgs::Blk(a) => build_blk(&d.name, a),
+        };
+        let (dev, endpoint, hold) =
+            r.map_err(|e| if named { io::Error::new(e.kind(), format!("device `{}`: {e}", d.name)) } else { e })?;
+        let where_ = match (d.args.socket_path(), d.args.fd()) {
+            (Some(p), _) => p.display().to_string(),
+            (None, fd) => format!("fd {}", fd.unwrap_or(-1)),
+        };
+        let entry = Arc::new(DeviceEntry {
+            name: d.name.clone(),
+            kind: d.args.kind(),
+            endpoint: where_,
+            dev,
+            connected: AtomicBool::new(false),
+            connections: AtomicU64::new(0),
+            failed: Mutex::new(None),
+            stop: EventFd::new(EFD_NONBLOCK)?,
+        });
+        built.push((entry, endpoint, hold));
+    }
+    let entries: Arc<Vec<Arc<DeviceEntry>>> = Arc::new(built.iter().map(|(e, _, _)| e.clone()).collect());
+    let _control = match &globals.control {
+        Some(p) => Some(crate::control::serve(p, entries.clone())?),
+        None => None,
+    };
+    if let Some(addr) = globals.metrics {
+        crate::metrics::serve(addr, entries.clone())?;
+    }
+    let done = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+    let mut threads = Vec::new();
+    let mut holds = Vec::new();
+    for (entry, endpoint, hold) in built {
+        if let Endpoint::Listen(_, f) = &endpoint {
+            eprintln!("vhostd: listening on {}", f.0.display());
+        }
+        holds.push(hold);
+        let done = done.clone();
+        let e = entry.clone();
+        let t = std::thread::Builder::new().name(format!("vhostd-{}", entry.name)).spawn(move || {
+            let _span = tracing::info_span!("dev", device = %e.name).entered();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve_endpoint(&e, endpoint)));
+            let failure = match r {
+                Ok(Ok(())) => None,
+                Ok(Err(err)) => Some(err.to_string()),
+                Err(_) => Some("internal error (panic); see the log".to_string()),
+            };
+            if let Some(f) = failure {
+                tracing::error!("device stopped serving: {f}");
+                if let Ok(mut s) = e.failed.lock() {
+                    *s = Some(f);
+                }
+            }
+            let _ = done.write(1);
+        })?;
+        threads.push(t);
+    }
+    crate::notify::ready(entries.len());
+    let mut ended = 0u64;
     loop {
-        if wait_readable(&[listener.as_raw_fd(), signals.0])? == 1 {
+        if wait_readable(&[signals.0, done.as_raw_fd()])? == 0 {
             match signals.take() {
                 SignalAsk::Stop => break,
-                SignalAsk::PrintStats => print_any_stats(&dev),
+                SignalAsk::PrintStats => print_all_stats(&entries, false),
                 SignalAsk::Nothing => {}
             }
             continue;
         }
-        let (conn, _) = match listener.accept() {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                continue;
-            }
-        };
-        tracing::info!("frontend connected");
-        if serve(conn, &dev, &signals)? {
+        // Each device thread adds 1 as it ends.
+        ended += done.read().unwrap_or(0);
+        if ended >= threads.len() as u64 {
             break;
         }
     }
+    crate::notify::stopping();
     tracing::info!("stopping");
-    dev.shared.stop.store(true, Ordering::Release);
-    let dev = Arc::try_unwrap(dev).map_err(|_| io::Error::other("device still in use at shutdown"))?;
-    let blk = dev.blk.is_some();
-    let reports: Vec<WorkerReport> = dev.workers.into_iter().map(|w| w.join()).collect();
-    if blk {
-        print_blk_stats(&reports);
-    } else {
-        print_stats(&reports);
+    for e in entries.iter() {
+        let _ = e.stop.write(1);
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    print_all_stats(&entries, true);
+    drop(holds);
+    let failed: Vec<String> = entries
+        .iter()
+        .filter_map(|e| e.failed.lock().ok().and_then(|f| f.clone()).map(|f| format!("{}: {f}", e.name)))
+        .collect();
+    if !failed.is_empty() && entries.len() == failed.len() {
+        return Err(io::Error::other(failed.join("; ")));
     }
     Ok(())
+}
+
+/// Serves frontends one after the other (a listening socket) or the one
+/// handed in (--fd) until the device is stopped.
+fn serve_endpoint(e: &DeviceEntry, endpoint: Endpoint) -> io::Result<()> {
+    let stop = e.stop.as_raw_fd();
+    match endpoint {
+        Endpoint::Conn(conn) => {
+            e.connected.store(true, Ordering::Relaxed);
+            e.connections.fetch_add(1, Ordering::Relaxed);
+            tracing::info!("serving the frontend on {}", e.endpoint);
+            let r = serve(conn, &e.dev, stop);
+            e.connected.store(false, Ordering::Relaxed);
+            r.map(|_| ())
+        }
+        Endpoint::Listen(listener, _file) => loop {
+            if wait_readable(&[listener.as_raw_fd(), stop])? == 1 {
+                return Ok(());
+            }
+            let (conn, _) = match listener.accept() {
+                Ok(c) => c,
+                Err(err) => {
+                    tracing::warn!("accept failed: {err}");
+                    continue;
+                }
+            };
+            tracing::info!("frontend connected");
+            e.connected.store(true, Ordering::Relaxed);
+            e.connections.fetch_add(1, Ordering::Relaxed);
+            let r = serve(conn, &e.dev, stop);
+            e.connected.store(false, Ordering::Relaxed);
+            if r? {
+                return Ok(());
+            }
+        },
+    }
+}
+
+/// Every device's counters on stdout. `last`: stop the workers first (at
+/// exit). With several devices each block starts with a `device` line.
+fn print_all_stats(entries: &[Arc<DeviceEntry>], last: bool) {
+    for e in entries {
+        if last {
+            e.dev.shared.stop.store(true, Ordering::Release);
+        }
+        let reports: Vec<WorkerReport> =
+            e.dev.workers.iter().map(|w| if last { w.join() } else { w.report() }).collect();
+        if entries.len() > 1 {
+            println!("device name={} type={} endpoint={}", e.name, e.kind, e.endpoint);
+        }
+        if e.dev.blk.is_some() {
+            print_blk_stats(&reports);
+        } else {
+            print_stats(&reports);
+        }
+    }
 }
 
 /// A blk device's counters: one line per request queue and a total.
@@ -426,15 +631,6 @@ fn print_blk_stats(reports: &[WorkerReport]) {
     );
     let _ = io::stdout().write_all(out.as_bytes());
     let _ = io::stdout().flush();
-}
-
-fn print_any_stats(dev: &Device) {
-    let reports: Vec<WorkerReport> = dev.workers.iter().map(|w| w.report()).collect();
-    if dev.blk.is_some() {
-        print_blk_stats(&reports);
-    } else {
-        print_stats(&reports);
-    }
 }
 
 /// Final counters on stdout, one line per queue and a total (a stable,

@@ -120,7 +120,7 @@ pub struct WorkerHandle {
     tx: Sender<Cmd>,
     wake: EventFd,
     pending: Arc<AtomicBool>,
-    thread: Option<JoinHandle<WorkerReport>>,
+    thread: std::sync::Mutex<Option<JoinHandle<WorkerReport>>>,
 }
 
 impl WorkerHandle {
@@ -167,11 +167,13 @@ impl WorkerHandle {
         rx.recv().unwrap_or_default()
     }
 
-    /// Stops the thread and returns its final counters.
-    pub fn join(mut self) -> WorkerReport {
+    /// Waits for the thread to end (the device's `stop` is set) and returns
+    /// its final counters; default counters if it already ended.
+    pub fn join(&self) -> WorkerReport {
         self.pending.store(true, Ordering::Release);
         let _ = self.wake.write(1);
-        self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default()
+        let t = self.thread.lock().ok().and_then(|mut t| t.take());
+        t.and_then(|t| t.join().ok()).unwrap_or_default()
     }
 }
 
@@ -183,7 +185,14 @@ struct Ring {
     batch: Batch,
     report: RingReport,
     err_signalled: bool,
+    /// Bad chains already logged, and when (guest-triggered warnings are
+    /// rate-limited: a hostile guest must not flood the log).
+    bad_logged: u64,
+    bad_logged_at: Option<std::time::Instant>,
 }
+
+/// At most one bad-chain warning per ring per this interval.
+const BAD_CHAIN_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Ring {
     fn new() -> Ring {
@@ -195,6 +204,8 @@ impl Ring {
             batch: Batch::new(),
             report: RingReport::default(),
             err_signalled: false,
+            bad_logged: 0,
+            bad_logged_at: None,
         }
     }
 
@@ -277,6 +288,7 @@ const BLOCKED_SLEEP_MS: i32 = 1;
 
 /// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
 pub fn spawn(
+    device: &str,
     pair: u16,
     engine: Engine,
     mode: Mode,
@@ -326,15 +338,17 @@ pub fn spawn(
         tx_blocked: false,
         blocked_passes: 0,
     };
+    let device = device.to_string();
     let thread = std::thread::Builder::new()
         .name(format!("vhostd-q{pair}"))
         .spawn(move || {
+            let _span = tracing::info_span!("dev", device = %device, q = pair).entered();
             if let Some(cpu) = cpu {
                 pin_to_cpu(cpu);
             }
             worker.run()
         })?;
-    Ok(WorkerHandle { tx, wake, pending, thread: Some(thread) })
+    Ok(WorkerHandle { tx, wake, pending, thread: std::sync::Mutex::new(Some(thread)) })
 }
 
 fn pin_to_cpu(cpu: usize) {
@@ -410,6 +424,15 @@ impl Worker {
                 }
             };
             if attached && (spin || must_poll) {
+                if let Engine::Blk { queue, .. } = &self.engine {
+                    if queue.in_flight() > 0 && queue.completion_fd().is_some() {
+                        // The kernel finishes these, often on a worker
+                        // thread of this CPU: let it run.
+                        // SAFETY: sched_yield has no arguments or preconditions.
+                        unsafe { libc::sched_yield() };
+                        continue;
+                    }
+                }
                 // Re-reading avail.idx in a tight loop steals its cache line
                 // from the driver on every store; back off a little while idle.
                 for _ in 0..backoff {
@@ -472,6 +495,7 @@ impl Worker {
                     ring.call = call;
                     ring.err = err;
                     ring.err_signalled = false;
+                    ring.bad_logged = ring.queue.as_ref().map_or(0, |q| q.stats().bad_chains);
                     if slot != Slot::Ctrl {
                         self.layout = layout;
                     }
@@ -589,8 +613,30 @@ impl Worker {
 
     /// Signals NEEDS_RESET (once per ring) for rings the guest broke.
     fn check_broken(&mut self) {
-        for ring in self.rings.iter_mut() {
+        for (i, ring) in self.rings.iter_mut().enumerate() {
             if let Some(q) = &ring.queue {
+                let bad = q.stats().bad_chains;
+                if bad != ring.bad_logged {
+                    let now = std::time::Instant::now();
+                    if ring.bad_logged_at.is_none_or(|t| now.duration_since(t) >= BAD_CHAIN_LOG_INTERVAL) {
+                        let st = q.stats();
+                        tracing::warn!(
+                            pair = self.pair,
+                            ring = i,
+                            new = bad.wrapping_sub(ring.bad_logged),
+                            total = bad,
+                            index = st.bad_index,
+                            r#loop = st.bad_loop,
+                            address = st.bad_address,
+                            direction = st.bad_direction,
+                            indirect = st.bad_indirect,
+                            "guest posted malformed descriptor chains (dropped; next report in {}s at the earliest)",
+                            BAD_CHAIN_LOG_INTERVAL.as_secs()
+                        );
+                        ring.bad_logged = bad;
+                        ring.bad_logged_at = Some(now);
+                    }
+                }
                 if q.is_broken() && !ring.err_signalled {
                     ring.err_signalled = true;
                     self.shared.needs_reset.store(true, Ordering::Release);
