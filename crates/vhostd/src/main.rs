@@ -1,21 +1,10 @@
 //! vhostd: a vhost-user device daemon. See README.md and ARCHITECTURE.md.
 
-mod cli;
-mod config;
-mod control;
-mod man;
-mod metrics;
-mod notify;
-mod server;
-mod session;
-mod stats;
-mod worker;
-mod xdp_helper;
-
 use std::process::ExitCode;
 
-use cli::{Command, DeviceArgs, LogFormat};
-use config::DeviceSpec;
+use vhostd::cli::{self, Command, DeviceArgs, LogFormat};
+use vhostd::config::{self, DeviceSpec};
+use vhostd::{control, man, server, xdp_helper};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("VHOSTD_LOG")

@@ -256,6 +256,31 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, stop: RawFd) -> io::Result<bool> {
     Ok(stopped)
 }
 
+/// Builds the device `spec` describes, as `run` does (for fuzz targets and
+/// tests that drive a session in-process).
+pub fn build(spec: &DeviceSpec) -> io::Result<(Arc<Device>, Endpoint)> {
+    let r = match &spec.args {
+        DeviceArgs::Net(a) => build_net(&spec.name, a),
+        DeviceArgs::Blk(a) => build_blk(&spec.name, a),
+    };
+    r.map(|(d, e, _hold)| (d, e))
+}
+
+/// Serves one connection to its end, as a device thread does (for fuzz
+/// targets: the frontend's bytes come from the other end of `conn`).
+pub fn serve_connection(conn: UnixStream, dev: &Arc<Device>) -> io::Result<()> {
+    let never = EventFd::new(EFD_NONBLOCK)?;
+    serve(conn, dev, never.as_raw_fd()).map(|_| ())
+}
+
+/// Stops a device's workers (after `build`).
+pub fn shutdown(dev: &Device) {
+    dev.shared.stop.store(true, Ordering::Release);
+    for w in &dev.workers {
+        w.join();
+    }
+}
+
 /// Where a device meets its frontend.
 pub enum Endpoint {
     /// A listening socket (and its file, removed when this goes).

@@ -81,15 +81,16 @@ impl Proc {
     }
 
     fn wait(&mut self) -> (i32, String) {
-        let mut c = self.child.take().unwrap();
         let deadline = Instant::now() + T;
         let status = loop {
-            if let Some(s) = c.try_wait().unwrap() {
+            // The child stays ours until it has exited: Drop kills it if this panics.
+            if let Some(s) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 break s;
             }
             assert!(Instant::now() < deadline, "vhostd did not exit in time; stderr:\n{}", self.stderr());
             std::thread::sleep(Duration::from_millis(10));
         };
+        let mut c = self.child.take().unwrap();
         let mut out = String::new();
         c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
         (status.code().unwrap_or(-1), out)
