@@ -13,6 +13,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+pub mod inflight;
+pub use inflight::{InflightLog, InflightMap};
+
 use vhostd_block_backends::{BlockBackend, Buf, Completion, DiskInfo, Op, Request};
 use virtq::{copy_from_segs, copy_to_segs, Access, Batch, Queue, Seg};
 
@@ -215,6 +218,10 @@ pub struct BlkQueue {
     /// Slots whose request has finished, to be completed.
     done: Vec<u32>,
     completions: Vec<Completion>,
+    /// The shared log of requests in flight (split rings, when the
+    /// frontend gave one), and the heads of the batch being completed.
+    inflight: Option<InflightLog>,
+    batch_heads: Vec<u16>,
     /// The device's counters.
     pub stats: BlkStats,
 }
@@ -246,6 +253,8 @@ impl BlkQueue {
             free: (0..depth as u32).rev().collect(),
             done: Vec::with_capacity(depth),
             completions: Vec::with_capacity(depth),
+            inflight: None,
+            batch_heads: Vec::with_capacity(depth),
             stats: BlkStats::default(),
         }
     }
@@ -278,6 +287,10 @@ impl BlkQueue {
             let rejected = (q.stats().bad_chains - bad_before) as usize;
             if rejected > 0 {
                 q.publish_used();
+                // The log's used_idx follows used.idx (these were never in flight).
+                if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
+                    log.batch_done(std::iter::empty(), sq.next_used());
+                }
                 work += rejected;
             }
             for chain in &batch.chains {
@@ -296,6 +309,43 @@ impl BlkQueue {
             self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight() as u64);
         }
         work
+    }
+
+    /// Starts logging requests in flight in `log` (a ring just attached,
+    /// split layout only), after resubmitting the ones a previous backend
+    /// left there: the ring resumes after every chain taken so far (used
+    /// entries + those in flight). Returns the requests resubmitted.
+    pub fn attach_inflight(&mut self, mut log: InflightLog, q: &mut Queue, batch: &mut Batch, dev: &BlkDevice) -> usize {
+        let Queue::Split(sq) = q else {
+            // The packed layout of the log is not implemented: no tracking.
+            return 0;
+        };
+        let used = sq.used_idx_in_memory();
+        let heads = log.recover(used);
+        sq.set_next_avail(used.wrapping_add(heads.len() as u16));
+        self.inflight = Some(log);
+        let mut n = 0;
+        for h in heads {
+            if self.free.is_empty() {
+                break;
+            }
+            batch.clear();
+            if sq.repop(h, batch, Access::ReadThenWrite) {
+                let chain = batch.chains[0];
+                self.start(chain.head, chain.read_len, batch.readable(&chain), batch.writable(&chain), dev);
+                n += 1;
+            }
+        }
+        if n > 0 {
+            self.backend.submit();
+        }
+        self.complete_done(q);
+        n
+    }
+
+    /// Stops logging (the ring is handed back).
+    pub fn detach_inflight(&mut self) {
+        self.inflight = None;
     }
 
     /// Waits for every request in flight and completes them (before the
@@ -391,6 +441,10 @@ impl BlkQueue {
                 }
             }
             q.add_used_id(slot.head, used);
+            if let Some(log) = &mut self.inflight {
+                log.batch_add(slot.head);
+                self.batch_heads.push(slot.head);
+            }
             slot.stage = Stage::Free;
             slot.bufs.clear();
             self.free.push(i as u32);
@@ -398,6 +452,10 @@ impl BlkQueue {
         self.done.clear();
         if n > 0 {
             q.publish_used();
+            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
+                log.batch_done(self.batch_heads.drain(..), sq.next_used());
+            }
+            self.batch_heads.clear();
         }
         n
     }
@@ -406,6 +464,9 @@ impl BlkQueue {
     fn start(&mut self, head: u16, read_len: u32, readable: &[Seg], writable: &[Seg], dev: &BlkDevice) {
         // `process` pops no more chains than there are free slots.
         let Some(seq) = self.free.pop() else { return };
+        if let Some(log) = &mut self.inflight {
+            log.start(head);
+        }
         // Finished at once unless handed to the backend below.
         self.done.push(seq);
         let seq = seq as u64;

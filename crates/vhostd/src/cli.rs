@@ -123,6 +123,14 @@ impl DeviceArgs {
         }
     }
 
+    /// --client: connect to the socket path instead of listening.
+    pub fn client(&self) -> bool {
+        match self {
+            DeviceArgs::Net(a) => a.client,
+            DeviceArgs::Blk(a) => a.client,
+        }
+    }
+
     /// The connected socket handed in (--fd).
     pub fn fd(&self) -> Option<i32> {
         match self {
@@ -369,6 +377,11 @@ pub struct NetArgs {
     /// Print the vhost-user backend capabilities (JSON) and exit.
     #[arg(long)]
     pub print_capabilities: bool,
+    /// Connect to --socket-path (a VMM listening there, e.g. QEMU's
+    /// `-chardev socket,server=on`) instead of listening; reconnect every
+    /// second while it is not there or after it closes.
+    #[arg(long, requires = "socket_path")]
+    pub client: bool,
     /// Packet backend: loopback, sink, source, tap,ifname=NAME[,offloads=on|off]
     /// (creates or attaches to TAP NAME; one TAP queue per queue pair) or
     /// tap,fd=N[:M...][,offloads=on|off] (already-open TAP queues, one per
@@ -421,6 +434,11 @@ pub struct BlkArgs {
     /// Print the vhost-user backend capabilities (JSON) and exit.
     #[arg(long)]
     pub print_capabilities: bool,
+    /// Connect to --socket-path (a VMM listening there, e.g. QEMU's
+    /// `-chardev socket,server=on`) instead of listening; reconnect every
+    /// second while it is not there or after it closes.
+    #[arg(long, requires = "socket_path")]
+    pub client: bool,
     /// Block backend: file,path=IMG[,readonly=on][,direct=on][,discard=on]
     /// (an image file or block device through io_uring; direct: O_DIRECT;
     /// discard: pass discards on as hole punching) or null,size=SIZE (no

@@ -115,6 +115,19 @@ impl Drop for Signals {
     }
 }
 
+/// `wait_readable` for at most `ms` milliseconds: None when none became readable.
+fn wait_readable_timeout(fds: &[RawFd], ms: i32) -> io::Result<Option<usize>> {
+    let mut pfds: Vec<libc::pollfd> =
+        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    // SAFETY: pfds is a valid array of pollfd of the given length.
+    let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted { Ok(None) } else { Err(e) };
+    }
+    Ok(pfds.iter().position(|p| p.revents != 0))
+}
+
 /// Waits until one of `fds` is readable (or hung up); returns its position.
 fn wait_readable(fds: &[RawFd]) -> io::Result<usize> {
     let mut pfds: Vec<libc::pollfd> =
@@ -287,6 +300,8 @@ pub enum Endpoint {
     Listen(UnixListener, SocketFile),
     /// An already-connected socket (--fd).
     Conn(UnixStream),
+    /// A socket to connect to, again after each disconnect (--client).
+    Client(PathBuf),
 }
 
 /// What a device needs kept alive beside its workers (the AF_XDP program's link).
@@ -313,7 +328,7 @@ fn build_net(name: &str, args: &NetArgs) -> io::Result<(Arc<Device>, Endpoint, H
     }
     // The XDP program stays attached while this lives.
     let hold: Hold = backends.af_xdp.map(|x| Box::new(x) as Box<dyn std::any::Any>);
-    let endpoint = endpoint(args.socket_path.as_deref(), args.fd)?;
+    let endpoint = endpoint(args.socket_path.as_deref(), args.fd, args.client)?;
     let shared = Arc::new(Shared {
         active_pairs: AtomicU16::new(args.queues),
         ctrl: Mutex::new(CtrlState::new(args.queues, mac)),
@@ -370,7 +385,7 @@ fn build_blk(name: &str, args: &BlkArgs) -> io::Result<(Arc<Device>, Endpoint, H
         if disk.write_zeroes && !disk.read_only { ", write-zeroes" } else { "" },
         args.queues
     );
-    let endpoint = endpoint(args.socket_path.as_deref(), args.fd)?;
+    let endpoint = endpoint(args.socket_path.as_deref(), args.fd, args.client)?;
     let shared = Arc::new(Shared {
         active_pairs: AtomicU16::new(args.queues),
         ctrl: Mutex::new(CtrlState::new(args.queues, [0; 6])),
@@ -404,8 +419,9 @@ const BACKEND_DEPTH: usize = 256;
 
 /// The listening socket at `path`, or the connected socket `fd` (checked:
 /// an open Unix stream socket).
-fn endpoint(path: Option<&Path>, fd: Option<RawFd>) -> io::Result<Endpoint> {
+fn endpoint(path: Option<&Path>, fd: Option<RawFd>, client: bool) -> io::Result<Endpoint> {
     match (path, fd) {
+        (Some(p), _) if client => Ok(Endpoint::Client(p.to_path_buf())),
         (Some(p), _) => Ok(Endpoint::Listen(bind(p)?, SocketFile(p.to_path_buf()))),
         (None, Some(fd)) => {
             let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("--fd {fd}: {what}"));
@@ -480,6 +496,7 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
         let (dev, endpoint, hold) =
             r.map_err(|e| if named { io::Error::new(e.kind(), format!("device `{}`: {e}", d.name)) } else { e })?;
         let where_ = match (d.args.socket_path(), d.args.fd()) {
+            (Some(p), _) if d.args.client() => format!("client of {}", p.display()),
             (Some(p), _) => p.display().to_string(),
             (None, fd) => format!("fd {}", fd.unwrap_or(-1)),
         };
@@ -507,8 +524,10 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
     let mut threads = Vec::new();
     let mut holds = Vec::new();
     for (entry, endpoint, hold) in built {
-        if let Endpoint::Listen(_, f) = &endpoint {
-            eprintln!("vhostd: listening on {}", f.0.display());
+        match &endpoint {
+            Endpoint::Listen(_, f) => eprintln!("vhostd: listening on {}", f.0.display()),
+            Endpoint::Client(p) => eprintln!("vhostd: connecting to {}", p.display()),
+            Endpoint::Conn(_) => {}
         }
         holds.push(hold);
         let done = done.clone();
@@ -581,6 +600,27 @@ fn serve_endpoint(e: &DeviceEntry, endpoint: Endpoint) -> io::Result<()> {
             e.connected.store(false, Ordering::Relaxed);
             r.map(|_| ())
         }
+        Endpoint::Client(path) => loop {
+            let conn = match UnixStream::connect(&path) {
+                Ok(c) => c,
+                Err(err) => {
+                    tracing::debug!("connect to {}: {err}", path.display());
+                    // Retry in a second, unless stopped meanwhile.
+                    if wait_readable_timeout(&[stop], 1000)? == Some(0) {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            tracing::info!("connected to {}", path.display());
+            e.connected.store(true, Ordering::Relaxed);
+            e.connections.fetch_add(1, Ordering::Relaxed);
+            let r = serve(conn, &e.dev, stop);
+            e.connected.store(false, Ordering::Relaxed);
+            if r? {
+                return Ok(());
+            }
+        },
         Endpoint::Listen(listener, _file) => loop {
             if wait_readable(&[listener.as_raw_fd(), stop])? == 1 {
                 return Ok(());

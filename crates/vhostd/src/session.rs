@@ -76,12 +76,18 @@ impl Device {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::MQ
+        let f = VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::STATUS
+            | VhostUserProtocolFeatures::STATUS;
+        if self.blk.is_some() {
+            // Requests in flight survive a backend restart (split rings).
+            f | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+        } else {
+            f
+        }
     }
 }
 
@@ -117,6 +123,32 @@ pub struct Session {
     region_refs: std::collections::HashMap<(u64, u64, u64), u32>,
     vrings: Vec<Vring>,
     status: u8,
+    /// blk: the frontend's inflight memory (SET_INFLIGHT_FD) and its
+    /// queue size.
+    inflight: Option<(Arc<vhostd_blk::InflightMap>, u16)>,
+}
+
+/// Maps `size` bytes of the inflight file at `offset`, shared.
+fn map_inflight(file: &File, size: usize, offset: u64) -> VuResult<Arc<vhostd_blk::InflightMap>> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh shared mapping of a file we were handed, size and
+    // offset checked against its length; nothing else aliases it in this
+    // process.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(VuError::ReqHandlerError(std::io::Error::last_os_error()));
+    }
+    // SAFETY: just mapped, `size` bytes, owned by the returned map.
+    Ok(Arc::new(unsafe { vhostd_blk::InflightMap::from_raw(p as *mut u8, size) }))
 }
 
 fn err(msg: &'static str) -> VuError {
@@ -144,6 +176,7 @@ impl Session {
             region_refs: std::collections::HashMap::new(),
             vrings: (0..nrings).map(|_| Vring::default()).collect(),
             status: 0,
+            inflight: None,
         }
     }
 
@@ -253,7 +286,11 @@ impl Session {
         // The worker gives kick and call back when the ring stops.
         let call = v.call.take();
         let errfd = v.err.as_ref().and_then(|c| c.try_clone().ok());
-        self.dev.workers[w].attach(slot, queue, kick, call, errfd, layout);
+        let inflight = match (&self.inflight, slot) {
+            (Some((map, qsize)), Slot::Req) => vhostd_blk::InflightLog::new(map.clone(), i, *qsize),
+            _ => None,
+        };
+        self.dev.workers[w].attach(slot, queue, kick, call, errfd, layout, inflight);
         self.vrings[i].running = true;
         Ok(())
     }
@@ -277,6 +314,7 @@ impl Session {
         self.region_refs.clear();
         self.features = 0;
         self.status = 0;
+        self.inflight = None;
         self.dev.shared.needs_reset.store(false, Ordering::Release);
         self.dev.shared.active_pairs.store(self.dev.pairs, Ordering::Release);
         if let Ok(mut c) = self.dev.shared.ctrl.lock() {
@@ -578,12 +616,42 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(err("GET_SHARED_OBJECT"))
     }
 
-    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> VuResult<(VhostUserInflight, File)> {
-        Err(err("GET_INFLIGHT_FD"))
+    fn get_inflight_fd(&mut self, inflight: &VhostUserInflight) -> VuResult<(VhostUserInflight, File)> {
+        let (nq, qs) = (inflight.num_queues, inflight.queue_size);
+        if self.dev.blk.is_none() || nq == 0 || nq > self.dev.pairs || qs == 0 || qs > 32768 {
+            return Err(err("GET_INFLIGHT_FD: not a blk device, or bad num_queues / queue_size"));
+        }
+        let size = nq as usize * vhostd_blk::inflight::region_size(qs);
+        // SAFETY: memfd_create with a static C name; the fd is checked.
+        let fd = unsafe { libc::memfd_create(c"vhostd-inflight".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(VuError::ReqHandlerError(std::io::Error::last_os_error()));
+        }
+        // SAFETY: fd is a memfd we just created and now own.
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(size as u64).map_err(VuError::ReqHandlerError)?;
+        let map = map_inflight(&file, size, 0)?;
+        self.inflight = Some((map, qs));
+        tracing::info!("inflight memory created: {nq} queue(s) of {qs}, {size} bytes");
+        Ok((VhostUserInflight { mmap_size: size as u64, mmap_offset: 0, num_queues: nq, queue_size: qs }, file))
     }
 
-    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
-        Err(err("SET_INFLIGHT_FD"))
+    fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> VuResult<()> {
+        let (nq, qs) = (inflight.num_queues, inflight.queue_size);
+        if self.dev.blk.is_none() || nq == 0 || qs == 0 || qs > 32768 {
+            return Err(err("SET_INFLIGHT_FD: not a blk device, or bad num_queues / queue_size"));
+        }
+        let need = nq as u64 * vhostd_blk::inflight::region_size(qs) as u64;
+        let len = file.metadata().map_err(VuError::ReqHandlerError)?.len();
+        let (size, off) = (inflight.mmap_size, inflight.mmap_offset);
+        if size < need || off % 4096 != 0 || off.checked_add(size).is_none_or(|end| end > len) || size > 1 << 30 {
+            return Err(err("SET_INFLIGHT_FD: region smaller than its queues or past the end of the file"));
+        }
+        let map = map_inflight(&file, size as usize, off)?;
+        // Rings already running pick it up at their next start.
+        self.inflight = Some((map, qs));
+        tracing::info!("inflight memory from the frontend: {nq} queue(s) of {qs}, {size} bytes");
+        Ok(())
     }
 
     fn get_max_mem_slots(&mut self) -> VuResult<u64> {

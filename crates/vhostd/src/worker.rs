@@ -52,6 +52,8 @@ pub enum Cmd {
         call: Option<EventFd>,
         err: Option<EventFd>,
         layout: Layout,
+        /// blk: the shared log of requests in flight for this ring.
+        inflight: Option<vhostd_blk::InflightLog>,
         reply: Sender<()>,
     },
     /// Stop processing a ring and give it back.
@@ -142,9 +144,10 @@ impl WorkerHandle {
         call: Option<EventFd>,
         err: Option<EventFd>,
         layout: Layout,
+        inflight: Option<vhostd_blk::InflightLog>,
     ) {
         let (reply, rx) = channel();
-        self.send(Cmd::Attach { slot, queue: Box::new(queue), kick, call, err, layout, reply });
+        self.send(Cmd::Attach { slot, queue: Box::new(queue), kick, call, err, layout, inflight, reply });
         let _ = rx.recv();
     }
 
@@ -478,7 +481,7 @@ impl Worker {
     fn handle_cmds(&mut self) {
         while let Ok(cmd) = self.cmds.try_recv() {
             match cmd {
-                Cmd::Attach { slot, mut queue, kick, call, err, layout, reply } => {
+                Cmd::Attach { slot, mut queue, kick, call, err, layout, inflight, reply } => {
                     let ring = &mut self.rings[slot.index()];
                     if let Some(k) = &kick {
                         let _ = self.epoll.ctl(
@@ -499,6 +502,16 @@ impl Worker {
                     if slot != Slot::Ctrl {
                         self.layout = layout;
                     }
+                    if let (Engine::Blk { queue: bq, dev }, Some(q), Some(log)) =
+                        (&mut self.engine, ring.queue.as_mut(), inflight)
+                    {
+                        // Requests a crashed backend left unanswered run again.
+                        let n = bq.attach_inflight(log, q, &mut ring.batch, dev);
+                        if n > 0 {
+                            tracing::info!(queue = self.pair, "resubmitted {n} request(s) left in flight by a previous backend");
+                        }
+                        ring.notify();
+                    }
                     let _ = reply.send(());
                 }
                 Cmd::Detach { slot, reply } => {
@@ -513,6 +526,7 @@ impl Worker {
                     if let (Engine::Blk { queue: bq, dev }, Some(q)) = (&mut self.engine, ring.queue.as_mut()) {
                         // The backend may still write into the ring's buffers.
                         bq.drain(q, dev);
+                        bq.detach_inflight();
                     }
                     let out = ring.queue.take().map(|mut q| {
                         ring.report.queue = add_queue_stats(ring.report.queue, *q.stats());

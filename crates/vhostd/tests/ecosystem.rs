@@ -93,6 +93,8 @@ impl Proc {
         let mut c = self.child.take().unwrap();
         let mut out = String::new();
         c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+        // Already reaped by try_wait; this returns the same status.
+        let _ = c.wait();
         (status.code().unwrap_or(-1), out)
     }
 }
@@ -196,7 +198,9 @@ fn launch_with_fd(program: &Path, args: &[String], at: i32) -> (Proc, UnixStream
     // puts the socket at `at` (without CLOEXEC).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(fd, at) < 0 {
+            // dup2 onto itself keeps FD_CLOEXEC: clear it then.
+            let r = if fd == at { libc::fcntl(fd, libc::F_SETFD, 0) } else { libc::dup2(fd, at) };
+            if r < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -271,7 +275,7 @@ fn fd_that_is_not_a_socket_is_refused() {
     // SAFETY: dup2 between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            libc::dup2(fd, 5);
+            if fd == 5 { libc::fcntl(fd, libc::F_SETFD, 0); } else { libc::dup2(fd, 5); }
             Ok(())
         });
     }

@@ -364,6 +364,43 @@ impl SplitQueue {
         self.broken
     }
 
+    /// used.idx as it is in guest memory now.
+    pub fn used_idx_in_memory(&self) -> u16 {
+        self.read_u16(self.used, USED_IDX)
+    }
+
+    /// Moves the next available index (inflight recovery: a restarted
+    /// backend resumes after the chains it had already taken).
+    pub fn set_next_avail(&mut self, idx: u16) {
+        self.next_avail = idx;
+        self.avail_seen = idx;
+    }
+
+    /// Takes the chain at `head` again, without the avail ring: a request a
+    /// previous backend took and never completed (vhost-user inflight
+    /// tracking). Appends it to `batch` (not cleared) and returns true; a
+    /// bad chain is completed with length 0 and counted, and false returned.
+    pub fn repop(&mut self, head: u16, batch: &mut Batch, access: Access) -> bool {
+        if self.broken || head >= self.cfg.size {
+            return false;
+        }
+        let seg_start = batch.segs.len();
+        match self.parse_chain(head, batch, access) {
+            Ok(mut chain) => {
+                chain.seg_start = seg_start as u32;
+                batch.chains.push(chain);
+                self.stats.chains += 1;
+                true
+            }
+            Err(e) => {
+                batch.segs.truncate(seg_start);
+                self.stats.count(e);
+                self.add_used(head, 0);
+                false
+            }
+        }
+    }
+
     #[inline]
     fn read_u16(&self, base: *const u8, off: usize) -> u16 {
         // SAFETY: every caller passes a ring base translated at set-up with its
