@@ -29,6 +29,10 @@ pub struct Cli {
     /// Log lines as text (default) or JSON objects, on stderr.
     #[arg(long, global = true, value_enum)]
     pub log_format: Option<LogFormat>,
+    /// System call filter once the devices are set up: enforce (kill on a
+    /// call outside vhostd's list), trap (say which call, exit 159), off.
+    #[arg(long, global = true, value_enum)]
+    pub seccomp: Option<crate::sandbox::SeccompMode>,
     #[command(subcommand)]
     pub command: Option<Command>,
 }

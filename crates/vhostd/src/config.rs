@@ -49,6 +49,8 @@ pub struct Config {
     pub metrics: Option<String>,
     /// Log format.
     pub log_format: Option<LogFormat>,
+    /// The system call filter.
+    pub seccomp: Option<crate::sandbox::SeccompMode>,
     /// The devices, in file order.
     pub devices: Vec<DeviceSpec>,
 }
@@ -62,6 +64,7 @@ struct RawFile {
     metrics: Option<Spanned<String>>,
     #[serde(rename = "log-format")]
     log_format: Option<Spanned<String>>,
+    seccomp: Option<Spanned<String>>,
     #[serde(default)]
     net: Vec<Spanned<Table>>,
     #[serde(default)]
@@ -94,6 +97,17 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
             other => return Err(format!("{}: key `log-format`: expected \"text\" or \"json\", got \"{other}\"", at(v.span().start))),
+        }),
+    };
+    let seccomp = match &raw.seccomp {
+        None => None,
+        Some(v) => Some(match v.get_ref().as_str() {
+            "enforce" => crate::sandbox::SeccompMode::Enforce,
+            "trap" => crate::sandbox::SeccompMode::Trap,
+            "off" => crate::sandbox::SeccompMode::Off,
+            other => {
+                return Err(format!("{}: key `seccomp`: expected \"enforce\", \"trap\" or \"off\", got \"{other}\"", at(v.span().start)))
+            }
         }),
     };
     if let Some(m) = &raw.metrics {
@@ -135,6 +149,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
         control: raw.control.map(|c| PathBuf::from(c.into_inner())),
         metrics: raw.metrics.map(|m| m.into_inner()),
         log_format,
+        seccomp,
         devices: devices.into_iter().map(|(d, _)| d).collect(),
     })
 }

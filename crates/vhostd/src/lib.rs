@@ -8,6 +8,7 @@ pub mod control;
 pub mod man;
 pub mod metrics;
 pub mod notify;
+pub mod sandbox;
 pub mod server;
 pub mod session;
 pub mod stats;

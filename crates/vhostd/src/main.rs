@@ -18,6 +18,8 @@ fn init_logging(format: LogFormat) {
 
 fn main() -> ExitCode {
     let args = cli::parse();
+    let cli_globals =
+        server::Globals { control: args.control.clone(), metrics: args.metrics, seccomp: args.seccomp.unwrap_or_default() };
     let (devices, globals, format) = match args.command {
         None => {
             // `vhostd --config FILE` (clap requires one or the other).
@@ -35,11 +37,15 @@ fn main() -> ExitCode {
                 (None, Some(m)) => cli::parse_metrics_addr(m).ok(),
                 (None, None) => None,
             };
-            let globals = server::Globals { control: args.control.or(cfg.control), metrics };
+            let globals = server::Globals {
+                control: args.control.or(cfg.control),
+                metrics,
+                seccomp: args.seccomp.or(cfg.seccomp).unwrap_or_default(),
+            };
             (cfg.devices, globals, args.log_format.or(cfg.log_format).unwrap_or(LogFormat::Text))
         }
-        Some(Command::Net(a)) => single(DeviceArgs::Net(a), &args.control, args.metrics, args.log_format),
-        Some(Command::Blk(a)) => single(DeviceArgs::Blk(a), &args.control, args.metrics, args.log_format),
+        Some(Command::Net(a)) => single(DeviceArgs::Net(a), cli_globals, args.log_format),
+        Some(Command::Blk(a)) => single(DeviceArgs::Blk(a), cli_globals, args.log_format),
         Some(Command::Stats(s)) => {
             return match control::run_stats(&s, args.control) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -72,16 +78,7 @@ fn main() -> ExitCode {
 }
 
 /// One device from the command line.
-fn single(
-    args: DeviceArgs,
-    control: &Option<std::path::PathBuf>,
-    metrics: Option<std::net::SocketAddr>,
-    format: Option<LogFormat>,
-) -> (Vec<DeviceSpec>, server::Globals, LogFormat) {
+fn single(args: DeviceArgs, globals: server::Globals, format: Option<LogFormat>) -> (Vec<DeviceSpec>, server::Globals, LogFormat) {
     let name = format!("{}0", args.kind());
-    (
-        vec![DeviceSpec { name, args }],
-        server::Globals { control: control.clone(), metrics },
-        format.unwrap_or(LogFormat::Text),
-    )
+    (vec![DeviceSpec { name, args }], globals, format.unwrap_or(LogFormat::Text))
 }

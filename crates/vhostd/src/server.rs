@@ -476,6 +476,14 @@ pub struct Globals {
     pub control: Option<PathBuf>,
     /// Prometheus endpoint.
     pub metrics: Option<std::net::SocketAddr>,
+    /// The system call filter.
+    pub seccomp: crate::sandbox::SeccompMode,
+}
+
+impl Default for crate::sandbox::SeccompMode {
+    fn default() -> Self {
+        crate::sandbox::SeccompMode::Enforce
+    }
 }
 
 /// Serves `devices` until SIGINT/SIGTERM (or, for a device on --fd, until
@@ -550,6 +558,8 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
         })?;
         threads.push(t);
     }
+    // Set up: from here on only the system calls serving needs.
+    crate::sandbox::install(globals.seccomp)?;
     crate::notify::ready(entries.len());
     let mut ended = 0u64;
     loop {

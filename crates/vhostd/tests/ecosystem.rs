@@ -582,3 +582,74 @@ fn guest_errors_are_rate_limited_in_the_log() {
     let warnings = p.stderr().matches("malformed descriptor chains").count();
     assert!((1..=2).contains(&warnings), "{warnings} warnings:\n{}", p.stderr());
 }
+
+/// The field `key` of /proc/PID/status.
+fn proc_status(pid: i32, key: &str) -> String {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines().find_map(|l| l.strip_prefix(&format!("{key}:"))).unwrap_or("").trim().to_string()
+}
+
+#[test]
+fn seccomp_filter_is_on_once_serving() {
+    let d = Dir::new();
+    for (mode, want) in [(None, "2"), (Some("trap"), "2"), (Some("off"), "0")] {
+        let sock = d.join("s.sock");
+        let mut cmd = Command::new(VHOSTD);
+        cmd.args(["net", "--socket-path", sock.to_str().unwrap(), "--backend", "loopback"]);
+        if let Some(m) = mode {
+            cmd.args(["--seccomp", m]);
+        }
+        let mut p = Proc::spawn(cmd);
+        assert!(p.wait_log("vhostd: listening on"));
+        // The filter goes on right after the listening line: wait for it.
+        assert!(wait_until(T, || proc_status(p.pid(), "Seccomp") == want), "{mode:?}: Seccomp {}", proc_status(p.pid(), "Seccomp"));
+        if want == "2" {
+            assert_eq!(proc_status(p.pid(), "NoNewPrivs"), "1");
+            // Serving works under the filter: a frame round trip.
+            let mut dev = VirtioUser::connect(Options::new(&sock)).unwrap();
+            let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
+            assert!(tx.send_frame(&frame(9, 80)).unwrap());
+            tx.flush().unwrap();
+            let mut n = 0;
+            assert!(wait_until(T, || {
+                rx.recv_burst(8, |_| n += 1).unwrap();
+                n == 1
+            }));
+        }
+        let (code, _) = p.stop();
+        assert_eq!(code, 0, "{}", p.stderr());
+    }
+}
+
+/// Handed its socket and image, vhostd needs no privileges: as `nobody`
+/// with no capabilities at all it serves a disk.
+#[test]
+fn unprivileged_with_handed_in_socket() {
+    let d = Dir::new();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&d.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let img = d.join("disk.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let args: Vec<String> = [
+        "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", VHOSTD, "blk", "--fd=7",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("--blk-file={}", img.display())])
+    .collect();
+    let (mut p, sock) = launch_with_fd(Path::new("/usr/bin/setpriv"), &args, 7);
+    let mut dev = VirtioUser::from_stream(sock, Options::blk("unused")).expect("vhost-user over the socketpair");
+    let pid = p.pid();
+    assert_eq!(proc_status(pid, "Uid").split_whitespace().next(), Some("65534"));
+    assert_eq!(proc_status(pid, "CapEff"), "0000000000000000");
+    assert_eq!(proc_status(pid, "CapPrm"), "0000000000000000");
+    let cap = dev.blk_config().unwrap().capacity;
+    let mut qs = vec![dev.blk_queue(0, 16, 4096).unwrap()];
+    let w = Workload { seed: 8, ..Workload::new(Mode::Verify, 4096) };
+    let r = workload::run(&mut qs, cap, &w, None).unwrap();
+    assert!(r.passed(), "{:?} {:?}", r.first_error, r.mismatch);
+    drop(qs);
+    drop(dev);
+    assert_eq!(p.wait().0, 0, "{}", p.stderr());
+}

@@ -1,0 +1,284 @@
+//! The seccomp filter vhostd installs once every device is set up
+//! (`--seccomp`, default `enforce`): from then on the process may make only
+//! the system calls its dataplane, its vhost-user sessions and its control
+//! threads need. Opening files, creating sockets other than Unix ones,
+//! exec, ptrace, mounting, loading BPF, changing credentials and the rest
+//! are gone; a guest or VMM that finds a bug in vhostd finds this too.
+//!
+//! `enforce` kills the process on a violation (SECCOMP_RET_KILL_PROCESS:
+//! the kernel logs it in the audit log); `trap` catches it (SIGSYS), writes
+//! `vhostd: seccomp: system call N is not allowed` to stderr and exits with
+//! status 159, which says which call to add here when a path was missed;
+//! `off` installs nothing.
+
+use std::collections::BTreeMap;
+use std::io;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+};
+
+/// What `--seccomp` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SeccompMode {
+    /// Kill the process on a system call outside the list.
+    Enforce,
+    /// Report the system call on stderr and exit (status 159).
+    Trap,
+    /// No filter.
+    Off,
+}
+
+/// System calls allowed with any arguments.
+const ALLOWED: &[libc::c_long] = &[
+    // Memory: guest memory tables (SET_MEM_TABLE, ADD/REM_MEM_REG), the
+    // inflight memory, the allocator.
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_mprotect,
+    libc::SYS_madvise,
+    libc::SYS_brk,
+    libc::SYS_memfd_create,
+    libc::SYS_ftruncate,
+    // File descriptors the sessions receive and pass on.
+    libc::SYS_read,
+    libc::SYS_write,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_close,
+    libc::SYS_dup,
+    libc::SYS_dup3,
+    libc::SYS_fcntl,
+    libc::SYS_fstat,
+    libc::SYS_newfstatat,
+    libc::SYS_statx,
+    libc::SYS_lseek,
+    // Waiting: eventfds, epoll, poll, io_uring.
+    libc::SYS_eventfd2,
+    libc::SYS_epoll_create1,
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_io_uring_enter,
+    libc::SYS_futex,
+    libc::SYS_sched_yield,
+    libc::SYS_nanosleep,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_clock_gettime,
+    libc::SYS_gettimeofday,
+    // Sockets: vhost-user connections (accept, --client reconnects,
+    // SCM_RIGHTS), the control socket, metrics, AF_XDP wake-ups.
+    libc::SYS_accept,
+    libc::SYS_accept4,
+    libc::SYS_connect,
+    libc::SYS_recvmsg,
+    libc::SYS_sendmsg,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_shutdown,
+    libc::SYS_getsockopt,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockname,
+    libc::SYS_getpeername,
+    // The socket files go at exit.
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    // Threads, signals, exit.
+    libc::SYS_rt_sigaction,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_sigaltstack,
+    libc::SYS_restart_syscall,
+    libc::SYS_getpid,
+    libc::SYS_gettid,
+    libc::SYS_tgkill,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_sched_setaffinity,
+    libc::SYS_getrandom,
+    libc::SYS_prctl,
+];
+
+/// ioctl requests allowed: the TAP's runtime controls and the interface
+/// flags a link-state query reads; FIONBIO/FIOCLEX from std.
+const IOCTLS: &[u64] = &[
+    0x4004_54d0, // TUNSETOFFLOAD
+    0x4004_54d9, // TUNSETQUEUE
+    0x8913,      // SIOCGIFFLAGS
+    0x5421,      // FIONBIO
+    0x5451,      // FIOCLEX
+    0x5401,      // TCGETS (is stderr a terminal: log colours)
+];
+
+/// Socket domains `socket` may create: Unix only (--client reconnects).
+const SOCKET_DOMAINS: &[u64] = &[libc::AF_UNIX as u64];
+
+fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
+    let bad = |e: seccompiler::BackendError| io::Error::other(format!("seccomp filter: {e}"));
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED.iter().map(|&n| (n, vec![])).collect();
+    let ioctl: Vec<SeccompRule> = IOCTLS
+        .iter()
+        .map(|&req| {
+            SeccompRule::new(vec![SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, req).map_err(bad)?])
+                .map_err(bad)
+        })
+        .collect::<io::Result<_>>()?;
+    rules.insert(libc::SYS_ioctl, ioctl);
+    let socket: Vec<SeccompRule> = SOCKET_DOMAINS
+        .iter()
+        .map(|&d| {
+            SeccompRule::new(vec![SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, d).map_err(bad)?])
+                .map_err(bad)
+        })
+        .collect::<io::Result<_>>()?;
+    rules.insert(libc::SYS_socket, socket);
+    let mismatch = match mode {
+        SeccompMode::Trap => SeccompAction::Trap,
+        _ => SeccompAction::KillProcess,
+    };
+    let arch = std::env::consts::ARCH
+        .try_into()
+        .map_err(|e| io::Error::other(format!("seccomp: unsupported architecture: {e:?}")))?;
+    let f = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, arch).map_err(bad)?;
+    f.try_into().map_err(|e: seccompiler::BackendError| bad(e))
+}
+
+/// Installs the filter on every thread of the process (`mode` Off: none).
+pub fn install(mode: SeccompMode) -> io::Result<()> {
+    if mode == SeccompMode::Off {
+        tracing::warn!("--seccomp off: no system call filter");
+        return Ok(());
+    }
+    let prog = filter(mode)?;
+    apply(mode, &prog)?;
+    tracing::info!("seccomp filter installed ({mode:?}): {} system calls allowed", ALLOWED.len() + 2);
+    Ok(())
+}
+
+/// Installs a compiled filter (no allocation: callable after fork).
+fn apply(mode: SeccompMode, prog: &BpfProgram) -> io::Result<()> {
+    if mode == SeccompMode::Trap {
+        // SAFETY: installs an async-signal-safe handler (see on_sigsys).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_sigsys as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    seccompiler::apply_filter_all_threads(prog).map_err(|e| io::Error::other(format!("seccomp: {e}")))
+}
+
+/// SIGSYS in trap mode: says which system call and exits. Only
+/// async-signal-safe calls (write, _exit).
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo_t; for SIGSYS its
+    // _sigsys._syscall (an int) follows si_signo, si_errno, si_code, the
+    // padding and the call address: offset 24 on 64-bit Linux.
+    let nr = unsafe { *((info as *const u8).add(24) as *const i32) };
+    let mut buf = [0u8; 96];
+    let mut n = 0;
+    for &b in b"vhostd: seccomp: system call ".iter() {
+        buf[n] = b;
+        n += 1;
+    }
+    let mut digits = [0u8; 12];
+    let mut d = 0;
+    let mut v = nr.unsigned_abs();
+    loop {
+        digits[d] = b'0' + (v % 10) as u8;
+        d += 1;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    while d > 0 {
+        d -= 1;
+        buf[n] = digits[d];
+        n += 1;
+    }
+    for &b in b" is not allowed (exiting)\n".iter() {
+        buf[n] = b;
+        n += 1;
+    }
+    // SAFETY: write(2) and _exit(2) are async-signal-safe; buf is valid.
+    unsafe {
+        libc::write(2, buf.as_ptr() as *const libc::c_void, n);
+        libc::_exit(159);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filter_compiles() {
+        assert!(filter(SeccompMode::Enforce).unwrap().len() > ALLOWED.len());
+        assert!(filter(SeccompMode::Trap).is_ok());
+    }
+
+    /// Forks a child that installs the filter and opens a file; returns its
+    /// wait status and what it wrote to stderr.
+    fn child_opening_a_file(mode: SeccompMode) -> (libc::c_int, String) {
+        let prog = filter(mode).unwrap();
+        let mut p = [0; 2];
+        // SAFETY: pipe(2) into a local array.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        // SAFETY: the child only makes async-signal-safe calls (dup2,
+        // prctl, seccomp, sigaction, open, _exit): no allocation.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: in the child, as above.
+            unsafe {
+                libc::dup2(p[1], 2);
+                if apply(mode, &prog).is_err() {
+                    libc::_exit(2);
+                }
+                // Allowed: still alive afterwards.
+                libc::getpid();
+                libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY);
+                libc::_exit(0);
+            }
+        }
+        // SAFETY: close our write end; waitpid on our child.
+        let mut status = 0;
+        unsafe {
+            libc::close(p[1]);
+            libc::waitpid(pid, &mut status, 0);
+        }
+        let mut out = vec![0u8; 256];
+        // SAFETY: read into a local buffer.
+        let n = unsafe { libc::read(p[0], out.as_mut_ptr() as *mut libc::c_void, out.len()) };
+        // SAFETY: our fd.
+        unsafe { libc::close(p[0]) };
+        (status, String::from_utf8_lossy(&out[..n.max(0) as usize]).into_owned())
+    }
+
+    #[test]
+    fn enforce_kills_a_process_that_opens_a_file() {
+        let (status, _) = child_opening_a_file(SeccompMode::Enforce);
+        assert!(libc::WIFSIGNALED(status), "status {status:#x}");
+        assert_eq!(libc::WTERMSIG(status), libc::SIGSYS);
+    }
+
+    #[test]
+    fn trap_names_the_system_call() {
+        let (status, err) = child_opening_a_file(SeccompMode::Trap);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 159, "status {status:#x}, stderr {err}");
+        assert_eq!(err, format!("vhostd: seccomp: system call {} is not allowed (exiting)\n", libc::SYS_openat));
+    }
+}
