@@ -19,9 +19,10 @@ use seccompiler::{
 };
 
 /// What `--seccomp` asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum SeccompMode {
     /// Kill the process on a system call outside the list.
+    #[default]
     Enforce,
     /// Report the system call on stderr and exit (status 159).
     Trap,

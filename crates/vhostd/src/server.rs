@@ -480,11 +480,6 @@ pub struct Globals {
     pub seccomp: crate::sandbox::SeccompMode,
 }
 
-impl Default for crate::sandbox::SeccompMode {
-    fn default() -> Self {
-        crate::sandbox::SeccompMode::Enforce
-    }
-}
 
 /// Serves `devices` until SIGINT/SIGTERM (or, for a device on --fd, until
 /// its connection closes), then stops the workers and prints the counters.
