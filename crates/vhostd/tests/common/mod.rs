@@ -458,3 +458,49 @@ pub fn set_pairs(dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs:
     a[0]
 }
 
+
+/// One vhost-user message as bytes: request, flags (version 1 is added),
+/// size, payload.
+pub fn vhost_user_msg(code: u32, flags: u32, body: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(12 + body.len());
+    msg.extend_from_slice(&code.to_le_bytes());
+    msg.extend_from_slice(&(0x1 | flags).to_le_bytes());
+    msg.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    msg.extend_from_slice(body);
+    msg
+}
+
+/// Sends `bytes` with one sendmsg(2), `fds` attached as SCM_RIGHTS (no
+/// ancillary data when empty), MSG_NOSIGNAL. Returns the bytes sent (a
+/// stream socket may take fewer than asked).
+pub fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[std::os::fd::RawFd]) -> std::io::Result<usize> {
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
+    let fd_bytes = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    // u64 elements keep the control buffer aligned for cmsghdr.
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: msghdr is plain data; every pointer set below outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space as _;
+        // SAFETY: the control buffer holds CMSG_SPACE(fd_bytes) bytes, so the
+        // first header and its data (CMSG_LEN(fd_bytes)) fit in it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
+            std::ptr::copy_nonoverlapping(fds.as_ptr() as *const u8, libc::CMSG_DATA(c), fd_bytes);
+        }
+    }
+    // SAFETY: msg describes valid buffers (see above).
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}

@@ -1,0 +1,263 @@
+//! Helpers shared by the fuzz targets: a guest memory fenced by PROT_NONE
+//! guard pages, a byte reader over the fuzz input, and the invariant checks
+//! every ring target makes on what the device side returns.
+//!
+//! Guest memory (one anonymous mapping, 4 KiB pages):
+//!
+//! ```text
+//! page 0      guard (PROT_NONE)
+//! pages 1-8   R0, 32 KiB
+//! page 9      guard
+//! pages 10-13 R1, 16 KiB
+//! page 14     guard
+//! ```
+//!
+//! and four memory tables over it (the input picks one):
+//!
+//! 0. R0 at gpa 0
+//! 1. R0 at gpa 0, R1 at gpa 0x8000: adjacent in guest-physical space, not
+//!    in the host mapping, so a buffer crossing 0x8000 becomes two pieces
+//! 2. R0 at gpa 0, R1 at gpa 0x10000: a hole between them
+//! 3. R1 at gpa 0, R0 at gpa 0x4000: the rings live in the smaller region
+//!
+//! Whatever the device reads or writes outside a region lands on a guard
+//! page (within 4 KiB of it) and faults, which libFuzzer reports as a crash;
+//! every segment the queue hands out is also checked against the regions.
+
+use std::sync::{Arc, OnceLock};
+use virtq::{Batch, Chain, GuestMemory, Mapping, Region, Seg};
+
+pub const PAGE: usize = 4096;
+const R0_PAGE: usize = 1;
+const R0_LEN: usize = 8 * PAGE;
+const R1_PAGE: usize = 10;
+const R1_LEN: usize = 4 * PAGE;
+const TOTAL_PAGES: usize = 15;
+/// Frontend virtual address of guest-physical 0 (ring addresses given in
+/// AddrSpace::FrontendVirtual are this plus the gpa).
+pub const UADDR_BASE: u64 = 0x7f00_0000_0000;
+
+/// The fenced guest memory and its memory tables.
+pub struct Guest {
+    map: Arc<Mapping>,
+    tables: Vec<Arc<GuestMemory>>,
+}
+
+// SAFETY: the mapping is plain shared memory; each fuzz target touches it
+// from one thread at a time.
+unsafe impl Sync for Guest {}
+unsafe impl Send for Guest {}
+
+impl Guest {
+    fn build() -> Guest {
+        let map = Mapping::anonymous(TOTAL_PAGES * PAGE).expect("anonymous mapping");
+        for page in [0, 9, 14] {
+            // SAFETY: a page inside our own mapping; nothing maps it again.
+            let r = unsafe {
+                libc::mprotect(map.as_ptr().add(page * PAGE) as *mut libc::c_void, PAGE, libc::PROT_NONE)
+            };
+            assert_eq!(r, 0, "mprotect guard page");
+        }
+        let r0 = |gpa: u64| Region::new(gpa, R0_LEN as u64, UADDR_BASE + gpa, map.clone(), (R0_PAGE * PAGE) as u64).unwrap();
+        let r1 = |gpa: u64| Region::new(gpa, R1_LEN as u64, UADDR_BASE + gpa, map.clone(), (R1_PAGE * PAGE) as u64).unwrap();
+        let tables = vec![
+            vec![r0(0)],
+            vec![r0(0), r1(0x8000)],
+            vec![r0(0), r1(0x10000)],
+            vec![r1(0), r0(0x4000)],
+        ]
+        .into_iter()
+        .map(|regions| Arc::new(GuestMemory::from_regions(regions).expect("memory table")))
+        .collect();
+        Guest { map, tables }
+    }
+
+    /// The process-wide guest memory (built once, cleared per input).
+    pub fn get() -> &'static Guest {
+        static G: OnceLock<Guest> = OnceLock::new();
+        G.get_or_init(Guest::build)
+    }
+
+    /// Memory table `i % 4`.
+    pub fn table(&self, i: usize) -> Arc<GuestMemory> {
+        self.tables[i % self.tables.len()].clone()
+    }
+
+    /// Zeroes both regions.
+    pub fn clear(&self) {
+        // SAFETY: R0 and R1 lie inside the mapping and are read-write.
+        unsafe {
+            std::ptr::write_bytes(self.map.as_ptr().add(R0_PAGE * PAGE), 0, R0_LEN);
+            std::ptr::write_bytes(self.map.as_ptr().add(R1_PAGE * PAGE), 0, R1_LEN);
+        }
+    }
+
+    /// Writes `bytes` at guest-physical `gpa` of table `mem`, as far as
+    /// they fall inside it (the driver's view of memory).
+    pub fn write(mem: &GuestMemory, gpa: u64, bytes: &[u8]) {
+        let mut off = 0usize;
+        mem.for_each_piece(gpa, bytes.len() as u64, &mut 0, |p, n| {
+            let n = n as usize;
+            // SAFETY: for_each_piece hands out host pieces inside a region,
+            // and their lengths add up to at most bytes.len().
+            unsafe { std::ptr::copy_nonoverlapping(bytes[off..].as_ptr(), p, n) };
+            off += n;
+        });
+    }
+
+    /// Reads `N` bytes at `gpa` (zeroes where unmapped).
+    pub fn read<const N: usize>(mem: &GuestMemory, gpa: u64) -> [u8; N] {
+        let mut out = [0u8; N];
+        for (i, o) in out.iter_mut().enumerate() {
+            if let Some(p) = mem.translate(gpa.wrapping_add(i as u64), 1, &mut 0) {
+                // SAFETY: as in write.
+                *o = unsafe { std::ptr::read_volatile(p) };
+            }
+        }
+        out
+    }
+
+    pub fn r16(mem: &GuestMemory, gpa: u64) -> u16 {
+        u16::from_le_bytes(Self::read::<2>(mem, gpa))
+    }
+
+    pub fn r32(mem: &GuestMemory, gpa: u64) -> u32 {
+        u32::from_le_bytes(Self::read::<4>(mem, gpa))
+    }
+
+    pub fn w16(mem: &GuestMemory, gpa: u64, v: u16) {
+        Self::write(mem, gpa, &v.to_le_bytes())
+    }
+}
+
+/// Asserts that `seg` is non-empty and lies wholly inside one region of
+/// `mem` (host addresses), and touches its first and last byte.
+pub fn check_seg(mem: &GuestMemory, seg: &Seg) {
+    assert!(seg.len > 0, "empty segment handed out");
+    let start = seg.addr as usize;
+    let end = start.checked_add(seg.len as usize).expect("segment end overflows");
+    let inside = mem.regions().iter().any(|r| {
+        let h = r.host() as usize;
+        start >= h && end <= h + r.size as usize
+    });
+    assert!(inside, "segment {:#x}+{:#x} outside every region of the memory table", start, seg.len);
+    // SAFETY: checked just above to be inside a mapped region.
+    unsafe {
+        std::ptr::read_volatile(seg.addr);
+        std::ptr::read_volatile(seg.addr.add(seg.len as usize - 1));
+    }
+}
+
+/// Checks every chain of a popped batch: segments inside memory, lengths
+/// adding up, directions as `access` demands, at most `max` chains.
+pub fn check_batch(mem: &GuestMemory, batch: &Batch, max: usize, access: virtq::Access) {
+    assert!(batch.len() <= max, "popped {} chains, asked for at most {max}", batch.len());
+    for c in &batch.chains {
+        check_chain(mem, batch, c, access);
+    }
+}
+
+/// See `check_batch`.
+pub fn check_chain(mem: &GuestMemory, batch: &Batch, c: &Chain, access: virtq::Access) {
+    let (r, w) = (batch.readable(c), batch.writable(c));
+    let mut rl = 0u64;
+    for s in r {
+        check_seg(mem, s);
+        rl += s.len as u64;
+    }
+    let mut wl = 0u64;
+    for s in w {
+        check_seg(mem, s);
+        wl += s.len as u64;
+    }
+    assert_eq!(rl, c.read_len as u64, "read_len differs from its segments");
+    assert_eq!(wl, c.write_len as u64, "write_len differs from its segments");
+    match access {
+        virtq::Access::ReadOnly => assert!(w.is_empty(), "writable segment in a ReadOnly chain"),
+        virtq::Access::WriteOnly => assert!(r.is_empty(), "readable segment in a WriteOnly chain"),
+        virtq::Access::ReadThenWrite => {}
+    }
+}
+
+/// Takes bytes off the front of the fuzz input; zeroes once it runs out.
+pub struct Reader<'a> {
+    data: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(data: &'a [u8]) -> Reader<'a> {
+        Reader { data }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+    pub fn u8(&mut self) -> u8 {
+        match self.data.split_first() {
+            Some((&b, rest)) => {
+                self.data = rest;
+                b
+            }
+            None => 0,
+        }
+    }
+    pub fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.u8(), self.u8()])
+    }
+    pub fn u32(&mut self) -> u32 {
+        u32::from_le_bytes([self.u8(), self.u8(), self.u8(), self.u8()])
+    }
+    pub fn u64(&mut self) -> u64 {
+        self.u32() as u64 | (self.u32() as u64) << 32
+    }
+    /// Up to `n` bytes (fewer at the end of the input).
+    pub fn bytes(&mut self, n: usize) -> &'a [u8] {
+        let n = n.min(self.data.len());
+        let (a, b) = self.data.split_at(n);
+        self.data = b;
+        a
+    }
+    pub fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.data)
+    }
+}
+
+/// `v` rounded up to a multiple of `a` (a power of two).
+pub fn align_up(v: u64, a: u64) -> u64 {
+    (v + a - 1) & !(a - 1)
+}
+
+/// A split ring packed tightly from `base`: descriptor table, avail ring,
+/// used ring (each aligned as the spec requires). Returns (desc, avail,
+/// used, end).
+pub fn split_layout(base: u64, size: u16) -> (u64, u64, u64, u64) {
+    let n = size as u64;
+    let desc = align_up(base, 16);
+    let avail = desc + 16 * n;
+    let used = align_up(avail + 6 + 2 * n, 4);
+    let end = used + 6 + 8 * n;
+    (desc, avail, used, end)
+}
+
+/// A packed ring from `base`: descriptor ring, driver event area, device
+/// event area. Returns (desc, driver, device, end).
+pub fn packed_layout(base: u64, size: u16) -> (u64, u64, u64, u64) {
+    let desc = align_up(base, 16);
+    let driver = desc + 16 * size as u64;
+    let device = driver + 4;
+    (desc, driver, device, device + 4)
+}
+
+/// Position of a packed ring in a counter modulo 2 x size (vring_base half).
+pub fn packed_linear(half: u16, size: u16) -> u32 {
+    let idx = (half & 0x7fff) as u32;
+    let wrap = half & 0x8000 != 0;
+    idx + if wrap { 0 } else { size as u32 }
+}
+
+/// Whether to step around the known bugs listed in fuzz/README.md (each
+/// place says which). `VHOSTD_FUZZ_UNMASK=1` turns the masks off, so that
+/// the inputs kept in fuzz/artifacts-found/ reproduce them.
+pub fn mask_known_bugs() -> bool {
+    static M: OnceLock<bool> = OnceLock::new();
+    *M.get_or_init(|| std::env::var_os("VHOSTD_FUZZ_UNMASK").is_none())
+}
