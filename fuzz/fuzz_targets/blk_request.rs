@@ -54,23 +54,6 @@ fn inflight_map(qsize: u16, bytes: &[u8]) -> Arc<InflightMap> {
     let n = bytes.len().min(len);
     // SAFETY: p is len bytes long, n <= len.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p as *mut u8, n) };
-    // KNOWN BUG, masked here so that CI stays green: InflightLog::recover
-    // resumes its fetch counter from the largest counter in the region
-    // (frontend memory), and InflightLog::start then does `counter += 1`,
-    // which overflows on u64::MAX (a panic with overflow checks; a wrap to 0
-    // in release, which breaks the resubmission order after the next
-    // restart). Clearing each entry's top counter bit keeps the fuzzer off
-    // that one input class; the crashing input is
-    // fuzz/artifacts-found/blk_request/inflight-counter-overflow. Remove
-    // this once crates/blk/src/inflight.rs is fixed.
-    for h in 0..qsize as usize {
-        if !vhostd_fuzz::mask_known_bugs() {
-            break;
-        }
-        let top = 16 + 16 * h + 15;
-        // SAFETY: top < region_size(qsize) = 16 + 16 * qsize rounded up.
-        unsafe { *(p as *mut u8).add(top) &= 0x7f };
-    }
     // SAFETY: p is a live MAP_SHARED mapping of len bytes, owned by the map.
     Arc::new(unsafe { InflightMap::from_raw(p as *mut u8, len) })
 }
@@ -137,15 +120,6 @@ fuzz_target!(|data: &[u8]| {
         // ring resumes after them, so the avail/used accounting restarts.
         let log = InflightLog::new(inflight_map(size, bytes), 0, size).expect("log fits");
         bq.attach_inflight(log, &mut q, &mut batch, &dev);
-        // KNOWN BUG, masked so that CI stays green: a recovered head whose
-        // chain is now bad is completed (length 0) by SplitQueue::repop, but
-        // attach_inflight publishes used elements only when a request
-        // finished, so that one stays invisible to an idle driver (process()
-        // publishes rejected chains at once for this reason). Input:
-        // fuzz/artifacts-found/blk_request/inflight-bad-chain-unpublished.
-        if vhostd_fuzz::mask_known_bugs() {
-            q.flush_used();
-        }
         tracked = true;
         lag0 = lag(&q, size);
     }

@@ -405,23 +405,9 @@ fuzz_target!(|data: &[u8]| {
                     let mem = g.table(a as usize);
                     if let Ok(q) = run.q.remap(mem.clone()) {
                         let (old, new) = (run.q.vring_base(), q.vring_base());
-                        // KNOWN QUIRK, masked: a used position of slot 0 in
-                        // lap 0 encodes as a zero high half, which set-up
-                        // reads as "used = avail" (frontends that only send
-                        // the avail half), so with chains in flight the used
-                        // position moves on remap (and on a GET/SET_VRING_BASE
-                        // round trip). Input:
-                        // fuzz/artifacts-found/packed_chain/remap-used-wrap-lost.
-                        if vhostd_fuzz::mask_known_bugs() && old >> 16 == 0 {
-                            assert_eq!(new, old | old << 16);
-                            run.q = q;
-                            run.mem = mem;
-                            run.lag0 = run.lag();
-                        } else {
-                            assert_eq!(new, old, "vring base kept across a remap");
-                            run.q = q;
-                            run.mem = mem;
-                        }
+                        assert_eq!(new, old, "vring base kept across a remap");
+                        run.q = q;
+                        run.mem = mem;
                     }
                 }
             }

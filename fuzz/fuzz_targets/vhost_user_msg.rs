@@ -207,70 +207,12 @@ fn parse<'a>(r: &mut Reader<'a>) -> Vec<Action<'a>> {
     actions
 }
 
-/// KNOWN BUG, masked so that CI stays green: ring addresses are checked
-/// for alignment as frontend-virtual addresses only, but a memory region's
-/// user_addr and mmap_offset may be anything, so the host pointer of an
-/// aligned ring address can be misaligned, and virtq reads and writes the
-/// ring with aligned volatile accesses (undefined behaviour; a panic where
-/// debug assertions are on). Inputs:
-/// fuzz/artifacts-found/vhost_user_msg/unaligned-ring-*. This rounds
-/// user_addr and mmap_offset of every region in SET_MEM_TABLE, ADD_MEM_REG
-/// and REM_MEM_REG down to 16 bytes, in the stream as the server parses it
-/// (header: request, flags, size; then size bytes).
-fn align_regions(actions: &mut [Action<'_>]) {
-    let mut stream: Vec<u8> = Vec::new();
-    for a in actions.iter() {
-        if let Action::Send(m, _) = a {
-            stream.extend_from_slice(m);
-        }
-    }
-    let field = |st: &mut Vec<u8>, at: usize| {
-        if at + 8 <= st.len() {
-            let v = u64::from_le_bytes(st[at..at + 8].try_into().unwrap()) & !15;
-            st[at..at + 8].copy_from_slice(&v.to_le_bytes());
-        }
-    };
-    let mut pos = 0;
-    while pos + 12 <= stream.len() {
-        let req = u32::from_le_bytes(stream[pos..pos + 4].try_into().unwrap());
-        let size = u32::from_le_bytes(stream[pos + 8..pos + 12].try_into().unwrap()) as usize;
-        let body = pos + 12;
-        match req {
-            5 => {
-                // num_regions, padding, then regions of gpa, size, user_addr, mmap_offset.
-                let n = (size.saturating_sub(8) / 32).min(8);
-                for k in 0..n {
-                    field(&mut stream, body + 8 + 32 * k + 16);
-                    field(&mut stream, body + 8 + 32 * k + 24);
-                }
-            }
-            37 | 38 => {
-                // padding, then one region.
-                field(&mut stream, body + 8 + 16);
-                field(&mut stream, body + 8 + 24);
-            }
-            _ => {}
-        }
-        pos = body.saturating_add(size);
-    }
-    let mut off = 0;
-    for a in actions.iter_mut() {
-        if let Action::Send(m, _) = a {
-            let n = m.len();
-            m.copy_from_slice(&stream[off..off + n]);
-            off += n;
-        }
-    }
-}
 
 fuzz_target!(|data: &[u8]| {
     let devs = devices();
     let mut r = Reader::new(data);
     let dev = if r.u8() & 1 != 0 { devs.net.clone() } else { devs.blk.clone() };
-    let mut actions = parse(&mut r);
-    if vhostd_fuzz::mask_known_bugs() {
-        align_regions(&mut actions);
-    }
+    let actions = parse(&mut r);
     let (front, back) = UnixStream::pair().expect("socketpair");
     let server = std::thread::spawn(move || vhostd::server::serve_connection(back, &dev));
     let fd = front.as_raw_fd();

@@ -254,10 +254,3 @@ pub fn packed_linear(half: u16, size: u16) -> u32 {
     idx + if wrap { 0 } else { size as u32 }
 }
 
-/// Whether to step around the known bugs listed in fuzz/README.md (each
-/// place says which). `VHOSTD_FUZZ_UNMASK=1` turns the masks off, so that
-/// the inputs kept in fuzz/artifacts-found/ reproduce them.
-pub fn mask_known_bugs() -> bool {
-    static M: OnceLock<bool> = OnceLock::new();
-    *M.get_or_init(|| std::env::var_os("VHOSTD_FUZZ_UNMASK").is_none())
-}

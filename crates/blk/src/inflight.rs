@@ -130,7 +130,8 @@ impl InflightLog {
         if head >= self.desc_num {
             return;
         }
-        self.counter += 1;
+        // The counter comes back from shared memory on recovery: wrap, never overflow.
+        self.counter = self.counter.wrapping_add(1);
         // SAFETY: inside the region.
         unsafe { std::ptr::write_volatile(self.at(self.entry(head) + 8) as *mut [u8; 8], self.counter.to_le_bytes()) };
         self.set_inflight(head, true);

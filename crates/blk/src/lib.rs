@@ -325,19 +325,29 @@ impl BlkQueue {
         sq.set_next_avail(used.wrapping_add(heads.len() as u16));
         self.inflight = Some(log);
         let mut n = 0;
+        let mut rejected = Vec::new();
         for h in heads {
             if self.free.is_empty() {
                 break;
             }
             batch.clear();
-            if sq.repop(h, batch, Access::ReadThenWrite) {
-                let chain = batch.chains[0];
-                self.start(chain.head, chain.read_len, batch.readable(&chain), batch.writable(&chain), dev);
-                n += 1;
+            if !sq.repop(h, batch, Access::ReadThenWrite) {
+                // Completed with length 0 by the ring: published below.
+                rejected.push(h);
+                continue;
             }
+            let chain = batch.chains[0];
+            self.start(chain.head, chain.read_len, batch.readable(&chain), batch.writable(&chain), dev);
+            n += 1;
         }
         if n > 0 {
             self.backend.submit();
+        }
+        if !rejected.is_empty() {
+            q.publish_used();
+            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
+                log.batch_done(rejected.into_iter(), sq.next_used());
+            }
         }
         self.complete_done(q);
         n

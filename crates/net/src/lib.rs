@@ -394,6 +394,16 @@ fn rx_mergeable(
         while done < frames.len() {
             let f = &frames[done];
             let need = HDR_LEN + f.len;
+            if c < popped && (batch.chains[c].write_len as usize) < HDR_LEN {
+                // A buffer must hold at least the header (and num_buffers):
+                // this one cannot; the frame is dropped, the buffer returned empty.
+                rx.add_used(batch.chains[c].head, 0);
+                stats.too_big += 1;
+                stats.dropped += 1;
+                done += 1;
+                c += 1;
+                continue;
+            }
             // Find how many chains this frame needs.
             let mut room = 0usize;
             let mut k = c;
@@ -448,8 +458,7 @@ fn rx_mergeable(
                 let segs = batch.writable(chain);
                 let mut used = 0usize;
                 if first {
-                    // A driver must post buffers of at least a header; one
-                    // that did not gets a truncated header, nothing worse.
+                    // At least a header's room (checked above).
                     used = copy_to_segs(segs, 0, &header(f, offloads, nbufs));
                     first = false;
                 }

@@ -185,6 +185,9 @@ pub struct Options {
     pub mem_size: u64,
     /// Guest-physical address of the memory (0: gpa = offset in the memfd).
     pub gpa_base: u64,
+    /// Make the memfd sealable (MFD_ALLOW_SEALING), as QEMU does; false
+    /// plays a frontend whose memory the backend cannot seal.
+    pub sealable_memory: bool,
     /// Virtio feature bits to request; each is acked only if offered.
     /// VHOST_USER_F_PROTOCOL_FEATURES is added when offered.
     pub features: u64,
@@ -209,6 +212,7 @@ impl Options {
             device: DeviceType::Net,
             mem_size: 64 << 20,
             gpa_base: 0,
+            sealable_memory: true,
             features: VERSION_1 | EVENT_IDX | NET_MRG_RXBUF | NET_MAC | NET_STATUS | NET_MQ,
             required: VERSION_1,
             protocol_features: VhostUserProtocolFeatures::MQ
@@ -318,7 +322,7 @@ impl VirtioUser {
 
         let mut dev = VirtioUser {
             fe,
-            mem: FrontendMemory::new(opts.mem_size, opts.gpa_base)?,
+            mem: FrontendMemory::new(opts.mem_size, opts.gpa_base, opts.sealable_memory)?,
             opts,
             offered,
             features,

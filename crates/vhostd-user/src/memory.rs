@@ -19,8 +19,10 @@ pub struct FrontendMemory {
 
 impl FrontendMemory {
     /// A zeroed memfd of `size` bytes (rounded up to 4 KiB), seen by the
-    /// device at guest-physical `gpa_base`.
-    pub fn new(size: u64, gpa_base: u64) -> Result<FrontendMemory, Error> {
+    /// device at guest-physical `gpa_base`; `sealable`: made with
+    /// MFD_ALLOW_SEALING (a backend can then seal it against shrinking, as
+    /// QEMU's memfds allow; false plays a frontend whose memory cannot be).
+    pub fn new(size: u64, gpa_base: u64, sealable: bool) -> Result<FrontendMemory, Error> {
         let size = size
             .checked_add(4095)
             .ok_or(Error::Config("memory size too large".into()))?
@@ -35,8 +37,8 @@ impl FrontendMemory {
         }
         let name = b"vhostd-user\0";
         // SAFETY: `name` is a NUL-terminated string that outlives the call.
-        let fd =
-            unsafe { libc::memfd_create(name.as_ptr() as *const libc::c_char, libc::MFD_CLOEXEC) };
+        let flags = libc::MFD_CLOEXEC | if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
+        let fd = unsafe { libc::memfd_create(name.as_ptr() as *const libc::c_char, flags) };
         if fd < 0 {
             return Err(Error::Io(io::Error::last_os_error()));
         }
@@ -118,7 +120,7 @@ mod tests {
 
     #[test]
     fn alloc_is_aligned_and_bounded() {
-        let mut m = FrontendMemory::new(8192, 0x10000).unwrap();
+        let mut m = FrontendMemory::new(8192, 0x10000, true).unwrap();
         let a = m.alloc(10, 64).unwrap();
         assert_eq!(a, 0x10000);
         let b = m.alloc(10, 64).unwrap();

@@ -148,7 +148,9 @@ fn wait_readable(fds: &[RawFd]) -> io::Result<usize> {
     }
 }
 
+const SET_VRING_ADDR: u32 = 9;
 const SET_VRING_ENABLE: u32 = 18;
+const VERSION_MASK: u32 = 0x3;
 const SET_STATUS: u32 = 39;
 const GET_STATUS: u32 = 40;
 const NEED_REPLY: u32 = 0x8;
@@ -175,11 +177,16 @@ fn handle_own_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<boo
     let expected = match req {
         SET_STATUS | SET_VRING_ENABLE => 8,
         GET_STATUS => 0,
+        SET_VRING_ADDR => 40,
         _ => return Ok(false),
     };
-    if size != expected {
-        // Let the generic handler refuse it.
+    // A bad size or header (version other than 1, the reply bit, reserved
+    // bits): let the generic handler refuse it.
+    if size != expected || flags & VERSION_MASK != VERSION || flags & !(VERSION_MASK | NEED_REPLY) != 0 {
         return Ok(false);
+    }
+    if req == SET_VRING_ADDR {
+        return vring_addr_misaligned(conn, session, flags);
     }
     let mut msg = [0u8; 20];
     read_exact(conn, &mut msg[..12 + size as usize])?;
@@ -210,9 +217,123 @@ fn handle_own_msg(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<boo
     Ok(true)
 }
 
+/// SET_VRING_ADDR with misaligned addresses (a guest chooses them; QEMU
+/// passes them on): the `vhost` crate would fail it as a malformed message
+/// and the connection would close, so it is refused here with an error
+/// reply (when asked for) and the connection goes on. Aligned ones go to
+/// the generic handler (returns false, nothing consumed).
+fn vring_addr_misaligned(conn: &UnixStream, session: &Mutex<Session>, flags: u32) -> io::Result<bool> {
+    let mut msg = [0u8; 52];
+    // SAFETY: peek the whole message into a local buffer; nothing consumed.
+    let n = unsafe {
+        libc::recv(conn.as_raw_fd(), msg.as_mut_ptr() as *mut libc::c_void, msg.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    if n != msg.len() as isize {
+        return Ok(false);
+    }
+    let u64_at = |o: usize| u64::from_le_bytes(msg[o..o + 8].try_into().unwrap_or_default());
+    // struct vhost_vring_addr: index, flags (u32 each), then descriptor,
+    // used, avail and log addresses (u64).
+    let (desc, used, avail) = (u64_at(20), u64_at(28), u64_at(36));
+    if desc % 16 == 0 && used % 4 == 0 && avail % 2 == 0 {
+        return Ok(false);
+    }
+    read_exact(conn, &mut msg)?;
+    tracing::warn!("SET_VRING_ADDR refused: misaligned ring addresses (desc {desc:#x}, used {used:#x}, avail {avail:#x})");
+    let ack = session.lock().map(|s| s.reply_ack()).unwrap_or(false);
+    if flags & NEED_REPLY != 0 && ack {
+        let mut out = [0u8; 20];
+        out[0..4].copy_from_slice(&SET_VRING_ADDR.to_le_bytes());
+        out[4..8].copy_from_slice(&(VERSION | REPLY).to_le_bytes());
+        out[8..12].copy_from_slice(&8u32.to_le_bytes());
+        out[12..20].copy_from_slice(&1u64.to_le_bytes());
+        (&*conn).write_all(&out)?;
+    }
+    Ok(true)
+}
+
 fn read_exact(conn: &UnixStream, buf: &mut [u8]) -> io::Result<()> {
     use std::io::Read;
     (&*conn).read_exact(buf)
+}
+
+/// Most descriptors one message may carry (the `vhost` crate's limit).
+const MAX_FDS: usize = 32;
+
+/// Whether the next message carries more descriptors than a request may.
+/// Peeking installs copies of them here: they are closed at once.
+fn too_many_fds(conn: &UnixStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr() as *mut libc::c_void, iov_len: 1 };
+    // Room for twice the limit, so more than the limit is seen as such.
+    let mut control = [0u64; 80];
+    // SAFETY: msghdr is plain data; every pointer below outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: msg describes valid local buffers; MSG_PEEK consumes nothing.
+    let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+    if n <= 0 {
+        return false;
+    }
+    let mut count = 0;
+    // SAFETY: walking the control messages the kernel wrote into `control`
+    // with the CMSG macros; each descriptor read is one we now own.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const libc::c_int;
+                let k = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<libc::c_int>();
+                for j in 0..k {
+                    libc::close(std::ptr::read_unaligned(data.add(j)));
+                }
+                count += k;
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    count > MAX_FDS || msg.msg_flags & libc::MSG_CTRUNC != 0
+}
+
+/// The header (request code, flags) of the next message, without consuming it.
+fn peek_header(conn: &UnixStream) -> Option<(u32, u32)> {
+    let mut hdr = [0u8; 8];
+    // SAFETY: peek into a local 8-byte buffer; nothing consumed.
+    let n = unsafe {
+        libc::recv(conn.as_raw_fd(), hdr.as_mut_ptr() as *mut libc::c_void, 8, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    (n == 8).then(|| {
+        (u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]), u32::from_le_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]))
+    })
+}
+
+/// Requests whose answer carries a payload (the `vhost` crate replies only
+/// when the handler succeeds).
+const REPLYING: &[u32] = &[
+    1,  // GET_FEATURES
+    11, // GET_VRING_BASE
+    15, // GET_PROTOCOL_FEATURES
+    17, // GET_QUEUE_NUM
+    24, // GET_CONFIG
+    31, // GET_INFLIGHT_FD
+    36, // GET_MAX_MEM_SLOTS
+    40, // GET_STATUS
+];
+
+/// Whether a refused request left a frontend waiting: a request that
+/// carries a reply (never sent on error), or one asking for an ack that
+/// failed before the ack (the crate's own checks: a protocol feature not
+/// negotiated, a missing descriptor; the session never returns these).
+fn refusal_unanswered(e: &VuError, req: u32, flags: u32, session: &Mutex<Session>) -> bool {
+    if REPLYING.contains(&req) {
+        return true;
+    }
+    let pre_ack = matches!(e, VuError::InvalidParam | VuError::InactiveFeature(_) | VuError::InactiveOperation(_));
+    let acked = flags & NEED_REPLY != 0 && session.lock().map(|s| s.reply_ack()).unwrap_or(false);
+    pre_ack && acked
 }
 
 /// Errors after which the byte stream can no longer be trusted.
@@ -236,6 +357,12 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, stop: RawFd) -> io::Result<bool> {
         if wait_readable(&[conn.as_raw_fd(), stop])? == 1 {
             break true;
         }
+        if too_many_fds(&conn) {
+            // The `vhost` crate would drop them and lose the message's
+            // framing (it retries after the header is consumed).
+            tracing::warn!("closing frontend connection: a message with more file descriptors than any request takes");
+            break false;
+        }
         match handle_own_msg(&conn, &session) {
             Ok(true) => continue,
             Ok(false) => {}
@@ -244,6 +371,8 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, stop: RawFd) -> io::Result<bool> {
                 break false;
             }
         }
+        // Which request this is (for deciding whether a refusal was answered).
+        let (req, flags) = peek_header(&conn).unwrap_or((0, 0));
         match handler.handle_request() {
             Ok(()) => {}
             Err(VuError::Disconnected) | Err(VuError::PartialMessage) => {
@@ -252,6 +381,13 @@ fn serve(conn: UnixStream, dev: &Arc<Device>, stop: RawFd) -> io::Result<bool> {
             }
             Err(e) if is_fatal(&e) => {
                 tracing::warn!("closing frontend connection: {e}");
+                break false;
+            }
+            Err(e) if refusal_unanswered(&e, req, flags, &session) => {
+                // The frontend waits for a reply the `vhost` crate did not
+                // send (a GET_* refused, or a check failed before the ack):
+                // closing is the only answer left that does not hang it.
+                tracing::warn!("closing frontend connection: request {req} refused without a reply: {e}");
                 break false;
             }
             Err(e) => {
@@ -465,6 +601,10 @@ pub struct DeviceEntry {
     pub connections: AtomicU64,
     /// Why the device stopped serving, if it failed.
     pub failed: Mutex<Option<String>>,
+    /// A handle on the connection being served: shut down at stop, so a
+    /// frontend stalled mid-message (or not reading its replies) cannot
+    /// hold the device thread.
+    conn: Mutex<Option<UnixStream>>,
     /// Ends the device's thread.
     stop: EventFd,
 }
@@ -488,6 +628,8 @@ pub struct Globals {
 /// device that fails is logged and marked; the others go on.
 pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
     let signals = Signals::new()?;
+    // A frontend truncating guest memory under us costs that memory, not the process.
+    virtq::memory::install_sigbus_handler()?;
     let named = devices.len() > 1;
     let mut built = Vec::new();
     for d in &devices {
@@ -511,6 +653,7 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
             connected: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             failed: Mutex::new(None),
+            conn: Mutex::new(None),
             stop: EventFd::new(EFD_NONBLOCK)?,
         });
         built.push((entry, endpoint, hold));
@@ -576,6 +719,9 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
     tracing::info!("stopping");
     for e in entries.iter() {
         let _ = e.stop.write(1);
+        if let Some(c) = e.conn.lock().ok().and_then(|mut c| c.take()) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
     }
     for t in threads {
         let _ = t.join();
@@ -598,12 +744,8 @@ fn serve_endpoint(e: &DeviceEntry, endpoint: Endpoint) -> io::Result<()> {
     let stop = e.stop.as_raw_fd();
     match endpoint {
         Endpoint::Conn(conn) => {
-            e.connected.store(true, Ordering::Relaxed);
-            e.connections.fetch_add(1, Ordering::Relaxed);
             tracing::info!("serving the frontend on {}", e.endpoint);
-            let r = serve(conn, &e.dev, stop);
-            e.connected.store(false, Ordering::Relaxed);
-            r.map(|_| ())
+            serve_tracked(e, conn, stop).map(|_| ())
         }
         Endpoint::Client(path) => loop {
             let conn = match UnixStream::connect(&path) {
@@ -618,11 +760,7 @@ fn serve_endpoint(e: &DeviceEntry, endpoint: Endpoint) -> io::Result<()> {
                 }
             };
             tracing::info!("connected to {}", path.display());
-            e.connected.store(true, Ordering::Relaxed);
-            e.connections.fetch_add(1, Ordering::Relaxed);
-            let r = serve(conn, &e.dev, stop);
-            e.connected.store(false, Ordering::Relaxed);
-            if r? {
+            if serve_tracked(e, conn, stop)? {
                 return Ok(());
             }
         },
@@ -638,15 +776,29 @@ fn serve_endpoint(e: &DeviceEntry, endpoint: Endpoint) -> io::Result<()> {
                 }
             };
             tracing::info!("frontend connected");
-            e.connected.store(true, Ordering::Relaxed);
-            e.connections.fetch_add(1, Ordering::Relaxed);
-            let r = serve(conn, &e.dev, stop);
-            e.connected.store(false, Ordering::Relaxed);
-            if r? {
+            if serve_tracked(e, conn, stop)? {
                 return Ok(());
             }
         },
     }
+}
+
+/// `serve` with the device's bookkeeping: connected, connections, and a
+/// handle on the socket for shutdown at stop.
+fn serve_tracked(e: &DeviceEntry, conn: UnixStream, stop: RawFd) -> io::Result<bool> {
+    e.connected.store(true, Ordering::Relaxed);
+    e.connections.fetch_add(1, Ordering::Relaxed);
+    if let (Ok(mut slot), Ok(c)) = (e.conn.lock(), conn.try_clone()) {
+        *slot = Some(c);
+    }
+    // A stop that came before the handle was in place.
+    let early = wait_readable_timeout(&[stop], 0)? == Some(0);
+    let r = if early { Ok(true) } else { serve(conn, &e.dev, stop) };
+    if let Ok(mut slot) = e.conn.lock() {
+        *slot = None;
+    }
+    e.connected.store(false, Ordering::Relaxed);
+    r
 }
 
 /// Every device's counters on stdout. `last`: stop the workers first (at

@@ -131,6 +131,15 @@ pub struct Session {
 /// Maps `size` bytes of the inflight file at `offset`, shared.
 fn map_inflight(file: &File, size: usize, offset: u64) -> VuResult<Arc<vhostd_blk::InflightMap>> {
     use std::os::fd::AsRawFd;
+    // Shrinking it under us would raise SIGBUS: seal it where possible
+    // (ours always is), and refuse one that is already too small.
+    if !virtq::memory::seal_shrink(file.as_raw_fd()) {
+        tracing::warn!("the inflight memory file cannot be sealed against shrinking");
+    }
+    let len = file.metadata().map_err(VuError::ReqHandlerError)?.len();
+    if offset.checked_add(size as u64).is_none_or(|end| end > len) {
+        return Err(err("inflight memory past the end of its file"));
+    }
     // SAFETY: a fresh shared mapping of a file we were handed, size and
     // offset checked against its length; nothing else aliases it in this
     // process.
@@ -276,7 +285,7 @@ impl Session {
                 };
                 made.map_err(|e| {
                     tracing::warn!(ring = i, "cannot start ring: {e}");
-                    VuError::InvalidParam
+                    VuError::InvalidOperation("cannot start the ring")
                 })?
             }
         };
@@ -306,6 +315,13 @@ impl Session {
     pub fn reset(&mut self) {
         for i in 0..self.vrings.len() {
             self.stop_ring(i);
+        }
+        // Whatever the features said, no ring outlives its connection.
+        let slots: &[Slot] = if self.dev.blk.is_some() { &[Slot::Req] } else { &[Slot::Rx, Slot::Tx, Slot::Ctrl] };
+        for w in &self.dev.workers {
+            for &slot in slots {
+                let _ = w.detach(slot);
+            }
         }
         for v in self.vrings.iter_mut() {
             *v = Vring::default();
@@ -351,14 +367,25 @@ impl Session {
     }
 
     fn map_region(gpa: u64, size: u64, uaddr: u64, offset: u64, file: &File) -> VuResult<Region> {
+        // Rings are read with aligned loads: a region must keep guest and
+        // frontend addresses aligned in our mapping (every VMM uses pages).
+        if !gpa.is_multiple_of(16) || !uaddr.is_multiple_of(16) || !offset.is_multiple_of(16) {
+            return Err(err("memory region not 16-byte aligned (guest address, user address or mmap offset)"));
+        }
         // Map from the page holding the region start; offsets that are not
         // page aligned are mapped from the file start as libvhost-user does.
         let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
         let len = size.checked_add(skip).ok_or_else(|| err("region size overflows"))?;
         let mapping = Mapping::map(file, map_off, len).map_err(|e| {
             tracing::warn!("cannot map memory region: {e}");
-            VuError::InvalidParam
+            VuError::InvalidOperation("cannot map the memory region")
         })?;
+        if !mapping.sealed() {
+            tracing::warn!(
+                "memory region at {gpa:#x} is a file that cannot be sealed against shrinking (not a memfd): \
+                 a frontend that truncates it would crash vhostd"
+            );
+        }
         Region::new(gpa, size, uaddr, mapping, skip).map_err(|_| err("bad memory region"))
     }
 
@@ -422,6 +449,19 @@ impl VhostUserBackendReqHandlerMut for Session {
         if features & !self.dev.features() != 0 {
             return Err(err("SET_FEATURES with features we did not offer"));
         }
+        // A change (QEMU sends SET_FEATURES again, a hostile frontend drops
+        // MQ under running rings): take every ring off its worker while the
+        // old features still say where it runs, and rebuild them for the new
+        // ones from where they stopped.
+        let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running).collect();
+        if features != self.features {
+            for &i in &running {
+                self.stop_ring(i);
+            }
+            for v in self.vrings.iter_mut() {
+                v.parked = None;
+            }
+        }
         self.features = features;
         tracing::info!(
             "features acked: {features:#x} ({} ring{}{})",
@@ -429,6 +469,10 @@ impl VhostUserBackendReqHandlerMut for Session {
             if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
             if self.dev.blk.is_none() && features & vhostd_net::features::MRG_RXBUF != 0 { ", mergeable rx" } else { "" },
         );
+        for i in running {
+            // A ring that cannot run under the new features stays stopped.
+            let _ = self.start_ring(i);
+        }
         if self.dev.blk.is_some() {
             return Ok(());
         }
@@ -461,8 +505,11 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn set_vring_num(&mut self, index: u32, num: u32) -> VuResult<()> {
-        if num == 0 || num > self.dev.max_queue_size as u32 || !num.is_power_of_two() {
-            return Err(err("ring size is zero, not a power of two, or above --queue-size"));
+        // Split rings must be a power of two; packed rings may be any size
+        // (virtio 1.2, 2.8). Without RING_PACKED acked this is a split ring.
+        let packed = self.features & ring_features::RING_PACKED != 0;
+        if num == 0 || num > self.dev.max_queue_size as u32 || (!packed && !num.is_power_of_two()) {
+            return Err(err("ring size is zero, above --queue-size, or (split ring) not a power of two"));
         }
         let i = index as usize;
         self.check_index(index)?;
@@ -623,7 +670,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         let size = nq as usize * vhostd_blk::inflight::region_size(qs);
         // SAFETY: memfd_create with a static C name; the fd is checked.
-        let fd = unsafe { libc::memfd_create(c"vhostd-inflight".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(c"vhostd-inflight".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(VuError::ReqHandlerError(std::io::Error::last_os_error()));
         }
@@ -673,7 +720,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         let r = Self::map_region(region.guest_phys_addr, region.memory_size, region.user_addr, region.mmap_offset, &fd)?;
         let mem = self.mem.with_region(r).map_err(|e| {
             tracing::warn!("ADD_MEM_REG refused: {e}");
-            VuError::InvalidParam
+            VuError::InvalidOperation("ADD_MEM_REG refused")
         })?;
         self.region_refs.insert(key, 1);
         self.replace_memory(mem)?;

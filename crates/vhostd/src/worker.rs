@@ -275,6 +275,8 @@ struct Worker {
     tx_blocked: bool,
     /// Idle passes in a row with TX blocked.
     blocked_passes: u32,
+    /// `virtq::memory::lost_mappings()` as last logged.
+    lost_seen: u64,
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -340,6 +342,7 @@ pub fn spawn(
         ctrl_offloads: 0,
         tx_blocked: false,
         blocked_passes: 0,
+        lost_seen: virtq::memory::lost_mappings(),
     };
     let device = device.to_string();
     let thread = std::thread::Builder::new()
@@ -627,6 +630,14 @@ impl Worker {
 
     /// Signals NEEDS_RESET (once per ring) for rings the guest broke.
     fn check_broken(&mut self) {
+        let lost = virtq::memory::lost_mappings();
+        if lost != self.lost_seen {
+            self.lost_seen = lost;
+            tracing::error!(
+                pair = self.pair,
+                "a frontend truncated shared memory under vhostd: it now reads as zeros; the device needs a reset"
+            );
+        }
         for (i, ring) in self.rings.iter_mut().enumerate() {
             if let Some(q) = &ring.queue {
                 let bad = q.stats().bad_chains;

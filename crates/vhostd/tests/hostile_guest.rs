@@ -1313,12 +1313,10 @@ fn thread_ticks(pid: i32, name: &str) -> u64 {
 /// (NEEDS_RESET) and must stay quiet; the worker of pair 0 (interrupt
 /// mode) goes back to sleep rather than polling the dead ring.
 ///
-/// It does not: `worker.rs` takes the broken ring's pending chains for TX
-/// back-pressure (`tx_blocked = q.pending() > 0`; `SplitQueue::pending`
-/// does not look at `broken`) and wakes every millisecond until the
-/// frontend goes.
+/// (It used not to: `SplitQueue::pending` ignored `broken`, so the worker
+/// took the dead ring's chains for TX back-pressure and woke every
+/// millisecond.)
 #[test]
-#[ignore = "BUG: a split TX ring broken by a bad head with chains behind it keeps its worker waking every millisecond, never sleeping on its kicks (worker.rs: tx_blocked = q.pending() > 0; SplitQueue::pending ignores `broken`)"]
 fn a_worker_sleeps_after_its_split_ring_broke_with_chains_behind_the_bad_head() {
     tx_case(false, 0, QSIZE, NetQ { bad: index(1), ..NetQ::default() }, |t, vd| {
         let (b, _) = t.frame_buf();
@@ -1505,13 +1503,11 @@ fn rx_mergeable_tiny(packed: bool) {
 }
 
 #[test]
-#[ignore = "BUG: mergeable RX spreads a frame over buffers smaller than the header: the header (num_buffers) is truncated, the frame counted delivered (net/src/lib.rs rx_mergeable)"]
 fn rx_mergeable_buffers_smaller_than_the_header_split() {
     rx_mergeable_tiny(false);
 }
 
 #[test]
-#[ignore = "BUG: mergeable RX spreads a frame over buffers smaller than the header: the header (num_buffers) is truncated, the frame counted delivered (net/src/lib.rs rx_mergeable)"]
 fn rx_mergeable_buffers_smaller_than_the_header_packed() {
     rx_mergeable_tiny(true);
 }
@@ -1858,7 +1854,6 @@ fn queue_sizes_zero_not_a_power_of_two_or_too_big_split() {
 /// "The Queue Size value does not have to be a power of 2"): a 48-entry
 /// packed ring must be served.
 #[test]
-#[ignore = "BUG: SET_VRING_NUM refuses packed ring sizes that are not a power of two (session.rs set_vring_num), which virtio 1.2 2.8 allows"]
 fn packed_ring_of_48_entries_is_served() {
     let vd = net_daemon();
     let mut t = net_tx_opt(&vd, f::RING_PACKED, 48, 0, false);
@@ -1873,10 +1868,9 @@ fn packed_ring_of_48_entries_is_served() {
 /// passes them on) must be refused like any other bad address: an error
 /// reply to SET_VRING_ADDR, the connection kept.
 ///
-/// They are not: the `vhost` crate's message check
-/// (`VhostUserVringAddr::is_valid`) fails the request as an invalid
-/// message before vhostd sees it, no reply is sent, and `server.rs`
-/// (`is_fatal`) closes the connection (with `--fd`, vhostd then exits).
+/// (The `vhost` crate's message check would fail them as invalid messages
+/// and close the connection: vhostd answers them itself, server.rs
+/// `vring_addr_misaligned`.)
 fn misaligned_ring_addresses(packed: bool) {
     let vd = net_daemon();
     let extra = layout(packed);
@@ -1896,13 +1890,11 @@ fn misaligned_ring_addresses(packed: bool) {
 }
 
 #[test]
-#[ignore = "BUG: a misaligned SET_VRING_ADDR closes the connection without a reply (vhost crate VhostUserVringAddr::is_valid -> InvalidMessage, fatal in server.rs is_fatal)"]
 fn misaligned_ring_addresses_are_refused_with_a_reply_split() {
     misaligned_ring_addresses(false);
 }
 
 #[test]
-#[ignore = "BUG: a misaligned SET_VRING_ADDR closes the connection without a reply (vhost crate VhostUserVringAddr::is_valid -> InvalidMessage, fatal in server.rs is_fatal)"]
 fn misaligned_ring_addresses_are_refused_with_a_reply_packed() {
     misaligned_ring_addresses(true);
 }
@@ -2252,15 +2244,12 @@ impl Vd {
     }
 }
 
-/// Not a guest: the frontend shrinks the memory file it shared after
-/// SET_MEM_TABLE (vhostd checks the file's size only when it maps it).
-/// vhostd must survive (one frontend must not take down every device of
-/// the daemon); once the memory is back, the next connection works.
-///
-/// It does not: the worker's next read of the ring faults and the whole
-/// process dies of SIGBUS.
+/// Not a guest: the frontend tries to shrink the memory file it shared
+/// after SET_MEM_TABLE. vhostd sealed the memfd against shrinking when it
+/// mapped it, so the frontend cannot (EPERM); vhostd goes on and the next
+/// connection works. (An unsealable file that does shrink is
+/// hostile_vmm.rs's `a_memfd_shrunk_under_running_rings_does_not_kill_vhostd`.)
 #[test]
-#[ignore = "BUG: a frontend truncating its shared memory file kills vhostd with SIGBUS (virtq/src/memory.rs Mapping::map checks the size only at map time; no seals required, no SIGBUS handling)"]
 fn a_frontend_shrinking_its_memory_does_not_kill_vhostd() {
     let vd = net_daemon();
     let mut t = net_tx(&vd, 0, QSIZE, 0);
@@ -2271,15 +2260,13 @@ fn a_frontend_shrinking_its_memory_does_not_kill_vhostd() {
     let idx = r.avail_idx();
     r.write_avail_ring(idx, head);
     r.set_avail_idx(idx.wrapping_add(1));
-    // From here until the size is restored this process must not touch
-    // the memory either.
-    let size = t.c.dev.memory().size();
+    // vhostd sealed the memfd against shrinking when it mapped it.
     let before = vd.kicks(1);
-    t.c.dev.memory().file().set_len(0).unwrap();
+    let e = t.c.dev.memory().file().set_len(0).expect_err("the guest memory file shrank");
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
     t.tx.kick();
     let kicked = |vd: &Vd| vd.try_json().is_some_and(|v| v["devices"][0]["queues"][1]["kicks"].as_u64() > Some(before));
     let settled = wait_until(T, || !vd.alive() || kicked(&vd));
-    t.c.dev.memory().file().set_len(size).unwrap();
     assert!(settled);
     assert!(vd.alive(), "vhostd died:\n{}", vd.d.log());
     drop(t);

@@ -15,6 +15,20 @@ use std::sync::Arc;
 pub struct Mapping {
     addr: *mut u8,
     len: usize,
+    sealed: bool,
+}
+
+/// Adds F_SEAL_SHRINK to `fd` if it can be sealed; true if the file is
+/// (now) sealed against shrinking.
+pub fn seal_shrink(fd: std::os::unix::io::RawFd) -> bool {
+    // SAFETY: fcntl on a descriptor we were handed; no memory is passed.
+    unsafe {
+        if libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) == 0 {
+            return true;
+        }
+        let seals = libc::fcntl(fd, libc::F_GET_SEALS);
+        seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
+    }
 }
 
 // SAFETY: the mapping is a plain shared memory area; the pointer is only used
@@ -36,6 +50,11 @@ impl Mapping {
                 "mapping offset not page aligned",
             ));
         }
+        // A frontend that shrinks the file under us would make the next
+        // access raise SIGBUS: seal it against shrinking where the file can
+        // be sealed (memfds made with MFD_ALLOW_SEALING, as QEMU's are),
+        // before checking its size.
+        let sealed = seal_shrink(file.as_raw_fd());
         // Refuse mappings past the end of a regular file: touching such pages
         // would raise SIGBUS in the dataplane. (memfds and hugetlbfs files are
         // regular files too.)
@@ -64,7 +83,15 @@ impl Mapping {
         if addr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Arc::new(Mapping { addr: addr as *mut u8, len: len as usize }))
+        register(addr as usize, len as usize);
+        Ok(Arc::new(Mapping { addr: addr as *mut u8, len: len as usize, sealed }))
+    }
+
+    /// Whether the file cannot shrink under the mapping (sealed, or
+    /// anonymous). A frontend that truncates an unsealed file (a hugetlbfs
+    /// or plain file) can still crash the process.
+    pub fn sealed(&self) -> bool {
+        self.sealed
     }
 
     /// Anonymous shared memory, for tests and for frontends that own their memory.
@@ -83,7 +110,7 @@ impl Mapping {
         if addr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Arc::new(Mapping { addr: addr as *mut u8, len }))
+        Ok(Arc::new(Mapping { addr: addr as *mut u8, len, sealed: true }))
     }
 
     /// Start of the mapping.
@@ -104,6 +131,7 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        unregister(self.addr as usize);
         // SAFETY: addr/len are exactly what mmap returned; nobody holds the
         // Arc any more, so no pointer into it is used after this.
         unsafe {
@@ -338,6 +366,94 @@ impl GuestMemory {
             (off < r.size).then(|| r.gpa + off)
         })
     }
+}
+
+// ---- surviving a frontend that truncates its memory ----------------------
+//
+// A file the frontend can still shrink (not sealable: hugetlbfs, a plain
+// file) makes our next access to the lost pages raise SIGBUS. The handler
+// below finds the mapping the fault is in, replaces the whole mapping with
+// private zero pages (so the access, retried, reads zeros: the rings then
+// look broken and the device asks for a reset) and counts it. Faults
+// anywhere else keep their default action.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+const SLOTS: usize = 1024;
+static STARTS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+static LENS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+static LOST: AtomicU64 = AtomicU64::new(0);
+
+fn register(addr: usize, len: usize) {
+    for (s, l) in STARTS.iter().zip(LENS.iter()) {
+        if s.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            l.store(len, Ordering::Release);
+            return;
+        }
+    }
+    // More live mappings than slots: this one is not covered.
+}
+
+fn unregister(addr: usize) {
+    for (s, l) in STARTS.iter().zip(LENS.iter()) {
+        if s.load(Ordering::Acquire) == addr {
+            l.store(0, Ordering::Release);
+            s.store(0, Ordering::Release);
+            return;
+        }
+    }
+}
+
+/// Mappings replaced by zero pages after their file shrank (since start).
+pub fn lost_mappings() -> u64 {
+    LOST.load(Ordering::Relaxed)
+}
+
+/// Installs the SIGBUS handler (once, early; before threads start).
+pub fn install_sigbus_handler() -> io::Result<()> {
+    // SAFETY: installs an async-signal-safe handler (see on_sigbus).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigbus as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo_t; si_addr is the fault
+    // address for SIGBUS. Only atomics and async-signal-safe calls follow.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    for (s, l) in STARTS.iter().zip(LENS.iter()) {
+        let start = s.load(Ordering::Acquire);
+        let len = l.load(Ordering::Acquire);
+        if start != 0 && len != 0 && addr >= start && addr < start + len {
+            // SAFETY: replaces exactly our own mapping [start, start+len)
+            // with private anonymous memory; nothing else lives there.
+            let r = unsafe {
+                libc::mmap(
+                    start as *mut libc::c_void,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if r != libc::MAP_FAILED {
+                LOST.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            break;
+        }
+    }
+    // Not ours: the default action (the fault repeats on return).
+    // SAFETY: signal(2) is async-signal-safe.
+    unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
 }
 
 #[cfg(test)]

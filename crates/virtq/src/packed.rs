@@ -184,6 +184,13 @@ impl PackedQueue {
         if avail.idx >= n || used.idx >= n {
             return Err(SetupError::BadBase);
         }
+        // Positions on a cycle of two laps (the wrap counter starts at 1):
+        // avail is ahead of used by less than a ring (exactly a ring apart
+        // reads the same as used a lap ahead: refused too), never behind.
+        let lap = |p: Pos| p.idx as u32 + if p.wrap { 0 } else { n as u32 };
+        if (lap(avail) + 2 * n as u32 - lap(used)) % (2 * n as u32) >= n as u32 {
+            return Err(SetupError::BadBase);
+        }
         let tr = |addr: u64, len: u64| -> Option<*mut u8> {
             match space {
                 AddrSpace::FrontendVirtual => mem.translate_uaddr(addr, len),
@@ -193,6 +200,11 @@ impl PackedQueue {
         let ring = tr(cfg.desc, dlen).ok_or(SetupError::NotMapped)?;
         let driver_evt = tr(cfg.driver, 4).ok_or(SetupError::NotMapped)?;
         let device_evt = tr(cfg.device, 4).ok_or(SetupError::NotMapped)?;
+        // The ring is read with aligned loads: the host addresses must be
+        // aligned too (a region mapped at an odd offset would break that).
+        if !(ring as usize).is_multiple_of(16) || !(driver_evt as usize).is_multiple_of(4) || !(device_evt as usize).is_multiple_of(4) {
+            return Err(SetupError::Misaligned);
+        }
         Ok(PackedQueue {
             mem,
             cfg,
@@ -225,6 +237,13 @@ impl PackedQueue {
         let mut cfg = self.cfg;
         cfg.base = self.vring_base();
         let mut q = PackedQueue::new(mem, cfg, self.space)?;
+        // Positions and chains in flight carry over as they are (the base
+        // encoding cannot say "used at slot 0 of the second lap").
+        q.next_avail = self.next_avail;
+        q.next_used = self.next_used;
+        q.popped.clone_from(&self.popped);
+        q.popped_head = self.popped_head;
+        q.popped_len = self.popped_len;
         q.stats = self.stats;
         q.broken = self.broken;
         Ok(q)

@@ -299,6 +299,11 @@ impl SplitQueue {
         let desc = tr(cfg.desc, dlen).ok_or(SetupError::NotMapped)?;
         let avail = tr(cfg.avail, alen).ok_or(SetupError::NotMapped)?;
         let used = tr(cfg.used, ulen).ok_or(SetupError::NotMapped)?;
+        // The rings are read with aligned loads: the host addresses must be
+        // aligned too (a region mapped at an odd offset would break that).
+        if !(desc as usize).is_multiple_of(16) || !(avail as usize).is_multiple_of(2) || !(used as usize).is_multiple_of(4) {
+            return Err(SetupError::Misaligned);
+        }
         let mut q = SplitQueue {
             mem,
             cfg,
@@ -438,6 +443,10 @@ impl SplitQueue {
     /// (reads avail.idx). Marks the ring broken if avail.idx ran ahead by
     /// more than the queue size.
     pub fn pending(&mut self) -> u16 {
+        // A broken ring offers nothing (its worker may sleep).
+        if self.broken {
+            return 0;
+        }
         let idx = self.avail_idx();
         let n = idx.wrapping_sub(self.next_avail);
         if n > self.cfg.size {
@@ -774,7 +783,8 @@ impl SplitQueue {
         }
         // The driver must see our request before we re-check the ring.
         fence(Ordering::SeqCst);
-        self.avail_idx() != self.next_avail
+        // A broken ring has nothing more to give: sleep on it.
+        !self.broken && self.avail_idx() != self.next_avail
     }
 }
 

@@ -395,9 +395,12 @@ fn set_up_refuses_bad_rings_and_reads_the_base() {
     // Upper half zero: used position = avail position.
     let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5, ..c }, AddrSpace::GuestPhysical).unwrap();
     assert_eq!(q.vring_base(), 5 | (5 << 16));
-    let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5 | (3 << 16) | (1 << 31), ..c }, AddrSpace::GuestPhysical)
+    let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5 | 0x8000 | (3 << 16) | (1 << 31), ..c }, AddrSpace::GuestPhysical)
         .unwrap();
-    assert_eq!(q.vring_base(), 5 | ((3 | 0x8000) << 16));
+    assert_eq!(q.vring_base(), 5 | 0x8000 | ((3 | 0x8000) << 16));
+    // Used ahead of avail (avail in the second lap, used still in the
+    // first, more than a ring apart): no driver can be there.
+    assert_eq!(mk(PackedConfig { base: 5 | (3 << 16) | (1 << 31), ..c }), Some(SetupError::BadBase));
 }
 
 /// Our driver side against our device side: chains of 1 to 4 buffers (or one
