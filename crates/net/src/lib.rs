@@ -208,10 +208,10 @@ pub fn process_tx(
         tx.flush_used();
         return rejected;
     }
-    // Start fetching every frame before copying the first.
+    // The rings' pop prefetched each frame's first line; start on the
+    // second (header and frame span two lines) before copying the first.
     for chain in &batch.chains {
         if let Some(seg) = batch.readable(chain).first() {
-            virtq::split::prefetch(seg.addr);
             virtq::split::prefetch(seg.addr.wrapping_add(64));
         }
     }
@@ -341,9 +341,9 @@ fn rx_simple(
 ) -> usize {
     let hdr_len = layout.hdr_len;
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
+    // The pop prefetched each buffer's first line; the second as well.
     for chain in &batch.chains {
         if let Some(seg) = batch.writable(chain).first() {
-            virtq::split::prefetch_write(seg.addr);
             virtq::split::prefetch_write(seg.addr.wrapping_add(64));
         }
     }
@@ -383,11 +383,13 @@ fn rx_mergeable(
         if popped == 0 {
             return done;
         }
-        // The frontend last touched these buffers: start taking their first
-        // lines for writing before the copies need them.
+        // The pop started taking each buffer's first line for writing; a
+        // header and a short frame reach into the second.
         for chain in &batch.chains {
             if let Some(seg) = batch.writable(chain).first() {
-                virtq::split::prefetch_write(seg.addr);
+                if seg.len > 64 {
+                    virtq::split::prefetch_write(seg.addr.wrapping_add(64));
+                }
             }
         }
         let mut c = 0;

@@ -1072,16 +1072,9 @@ unsafe fn write_desc_raw(p: *mut u8, d: Descriptor) {
 /// `p` must be valid for a 16-byte read.
 #[inline]
 unsafe fn read_desc_raw(p: *const u8) -> Descriptor {
-    // SAFETY: the caller guarantees 16 readable bytes; [u8; 16] has alignment 1.
-    let raw = unsafe { std::ptr::read_volatile(p as *const [u8; 16]) };
-    Descriptor {
-        addr: u64::from_le_bytes([
-            raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7],
-        ]),
-        len: u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
-        flags: u16::from_le_bytes([raw[12], raw[13]]),
-        next: u16::from_le_bytes([raw[14], raw[15]]),
-    }
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let (addr, rest) = unsafe { crate::ring::read_desc_words(p) };
+    Descriptor { addr, len: rest as u32, flags: (rest >> 32) as u16, next: (rest >> 48) as u16 }
 }
 
 #[cfg(test)]

@@ -300,13 +300,8 @@ impl PackedQueue {
     fn read_desc(table: *const u8, i: u16) -> PDesc {
         // SAFETY: callers check i against the table's entry count, and the
         // table was translated with its full length.
-        let raw = unsafe { std::ptr::read_volatile(table.add(i as usize * 16) as *const [u8; 16]) };
-        PDesc {
-            addr: u64::from_le_bytes(raw[0..8].try_into().unwrap_or_default()),
-            len: u32::from_le_bytes(raw[8..12].try_into().unwrap_or_default()),
-            id: u16::from_le_bytes([raw[12], raw[13]]),
-            flags: u16::from_le_bytes([raw[14], raw[15]]),
-        }
+        let (addr, rest) = unsafe { crate::ring::read_desc_words(table.add(i as usize * 16)) };
+        PDesc { addr, len: rest as u32, id: (rest >> 32) as u16, flags: (rest >> 48) as u16 }
     }
 
     /// How many chains to plan for: `want` if the next slot is available,
@@ -385,6 +380,7 @@ impl PackedQueue {
                 };
                 if direction_ok {
                     if let Some(addr) = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint) {
+                        crate::split::prefetch_buffer(addr, write);
                         batch.segs.push(Seg { addr, len: d.len });
                         let (n_read, n_write) = if write { (0, 1) } else { (1, 0) };
                         batch.chains.push(Chain {
@@ -478,6 +474,9 @@ impl PackedQueue {
             }
         }
         let write = want_dir != 0;
+        for h in host {
+            crate::split::prefetch_buffer(h, write);
+        }
         for k in 0..4 {
             let seg_start = batch.segs.len() as u32;
             batch.segs.push(Seg { addr: host[k], len: d[k].len });
