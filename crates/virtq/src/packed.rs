@@ -354,21 +354,6 @@ impl PackedQueue {
         if self.broken {
             return 0;
         }
-        // The driver wrote these descriptors last, four to a line. Walking
-        // them takes one miss per line, one after the other; ask for the
-        // lines of the whole batch now so the misses overlap (what the split
-        // ring gets by reading the avail ring's heads first).
-        if Self::is_avail(self.slot_flags(self.next_avail.idx), self.next_avail.wrap) {
-            let size = self.size as usize;
-            let start = self.next_avail.idx as usize;
-            let mut i = 4usize;
-            while i < max.min(size) {
-                let idx = if start + i >= size { start + i - size } else { start + i };
-                // SAFETY: idx < size: inside the ring.
-                crate::split::prefetch(unsafe { self.ring.add(idx * 16) });
-                i += 4;
-            }
-        }
         // At most `size` chains can be popped and not yet used.
         while batch.chains.len() < max && self.popped_len < self.popped.len() {
             let pos = self.next_avail;
