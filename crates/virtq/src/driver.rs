@@ -1059,13 +1059,9 @@ impl DriverRing {
 /// `p` must be valid for a 16-byte write.
 #[inline]
 unsafe fn write_desc_raw(p: *mut u8, d: Descriptor) {
-    let mut raw = [0u8; 16];
-    raw[0..8].copy_from_slice(&d.addr.to_le_bytes());
-    raw[8..12].copy_from_slice(&d.len.to_le_bytes());
-    raw[12..14].copy_from_slice(&d.flags.to_le_bytes());
-    raw[14..16].copy_from_slice(&d.next.to_le_bytes());
-    // SAFETY: the caller guarantees 16 writable bytes; [u8; 16] has alignment 1.
-    unsafe { std::ptr::write_volatile(p as *mut [u8; 16], raw) }
+    let hi = d.len as u64 | (d.flags as u64) << 32 | (d.next as u64) << 48;
+    // SAFETY: the caller guarantees 16 writable bytes.
+    unsafe { crate::ring::write_desc_words(p, d.addr, hi) }
 }
 
 /// # Safety

@@ -95,6 +95,29 @@ pub unsafe fn read_desc_words(p: *const u8) -> (u64, u64) {
     }
 }
 
+/// Writes a descriptor's 16 bytes as two little-endian words, the layout
+/// `read_desc_words` reads; the driver side's twin of it, for the same
+/// reason (a `[u8; 16]` volatile store compiles to sixteen byte stores).
+///
+/// # Safety
+/// `p` must be valid for a 16-byte write.
+#[inline(always)]
+pub unsafe fn write_desc_words(p: *mut u8, lo: u64, hi: u64) {
+    if (p as usize).is_multiple_of(8) {
+        // SAFETY: 16 writable bytes (caller) and 8-byte alignment (checked).
+        unsafe {
+            std::ptr::write_volatile(p as *mut u64, lo.to_le());
+            std::ptr::write_volatile(p.add(8) as *mut u64, hi.to_le());
+        }
+    } else {
+        let mut raw = [0u8; 16];
+        raw[..8].copy_from_slice(&lo.to_le_bytes());
+        raw[8..].copy_from_slice(&hi.to_le_bytes());
+        // SAFETY: 16 writable bytes (caller); [u8; 16] has alignment 1.
+        unsafe { std::ptr::write_volatile(p as *mut [u8; 16], raw) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +137,24 @@ mod tests {
                 read_desc_words(base.add(off))
             };
             assert_eq!(words, (0x1122_3344_5566_7788, 0x0ff0_ddee_99aa_bbcc), "offset {off}");
+        }
+    }
+
+    #[test]
+    fn descriptor_words_write_the_bytes_they_read_aligned_or_not() {
+        let mut buf = [0u64; 4];
+        let base = buf.as_mut_ptr() as *mut u8;
+        for off in [0usize, 1, 3, 8] {
+            // SAFETY: off + 16 <= 32 bytes of `buf`.
+            let bytes = unsafe {
+                write_desc_words(base.add(off), 0x1122_3344_5566_7788, 0x0ff0_ddee_99aa_bbcc);
+                std::slice::from_raw_parts(base.add(off), 16).to_vec()
+            };
+            assert_eq!(
+                bytes,
+                [0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0xcc, 0xbb, 0xaa, 0x99, 0xee, 0xdd, 0xf0, 0x0f],
+                "offset {off}"
+            );
         }
     }
 }
