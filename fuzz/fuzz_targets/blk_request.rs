@@ -144,16 +144,7 @@ fuzz_target!(|data: &[u8]| {
                 // The driver posts a chain (split: a head; packed: a
                 // descriptor made available in lap a & 1).
                 if packed {
-                    let slot = ops.u8() as u16 % size;
-                    let addr = ops.u16() as u64;
-                    let len = ops.u16() as u32;
-                    let id = ops.u8() as u16;
-                    let fl = (ops.u8() as u16 & 7) | if a & 1 != 0 { VRING_PACKED_DESC_F_AVAIL } else { VRING_PACKED_DESC_F_USED };
-                    let mut d = [0u8; 16];
-                    d[0..8].copy_from_slice(&addr.to_le_bytes());
-                    d[8..12].copy_from_slice(&len.to_le_bytes());
-                    d[12..14].copy_from_slice(&id.to_le_bytes());
-                    d[14..16].copy_from_slice(&fl.to_le_bytes());
+                    let (slot, d) = ops.packed_desc(size, a & 1 != 0);
                     Guest::write(&mem, desc + 16 * slot as u64, &d);
                 } else {
                     let head = ops.u8() as u16 % size;

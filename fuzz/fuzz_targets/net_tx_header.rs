@@ -91,16 +91,7 @@ impl Ring {
     /// `slot` in lap `wrap`.
     fn post(&mut self, mem: &virtq::GuestMemory, ops: &mut Reader, a: u8) {
         if self.packed {
-            let slot = ops.u8() as u16 % self.size;
-            let addr = ops.u16() as u64;
-            let len = ops.u16() as u32;
-            let id = ops.u8() as u16;
-            let fl = (ops.u8() as u16 & 7) | if a & 1 != 0 { VRING_PACKED_DESC_F_AVAIL } else { VRING_PACKED_DESC_F_USED };
-            let mut d = [0u8; 16];
-            d[0..8].copy_from_slice(&addr.to_le_bytes());
-            d[8..12].copy_from_slice(&len.to_le_bytes());
-            d[12..14].copy_from_slice(&id.to_le_bytes());
-            d[14..16].copy_from_slice(&fl.to_le_bytes());
+            let (slot, d) = ops.packed_desc(self.size, a & 1 != 0);
             Guest::write(mem, self.desc + 16 * slot as u64, &d);
         } else {
             let head = ops.u8() as u16 % self.size.max(1);

@@ -23,17 +23,9 @@
 
 use libfuzzer_sys::fuzz_target;
 use std::collections::HashMap;
-use vhostd_fuzz::{check_batch, packed_layout, packed_linear, Guest, Reader};
+use vhostd_fuzz::{access_of, check_batch, packed_layout, packed_linear, Guest, Reader};
 use virtq::ring::*;
 use virtq::{Access, AddrSpace, Batch, PackedConfig, PackedQueue};
-
-fn access_of(v: u8) -> Access {
-    match v % 3 {
-        0 => Access::ReadOnly,
-        1 => Access::WriteOnly,
-        _ => Access::ReadThenWrite,
-    }
-}
 
 struct Run {
     q: PackedQueue,
@@ -343,16 +335,7 @@ fuzz_target!(|data: &[u8]| {
             5 => {
                 // Make a descriptor available: slot, buffer, id, NEXT /
                 // WRITE / INDIRECT, in lap a & 1.
-                let slot = ops.u8() as u16 % size;
-                let addr = ops.u16() as u64;
-                let len = ops.u16() as u32;
-                let id = ops.u8() as u16;
-                let fl = (ops.u8() as u16 & 7) | if a & 1 != 0 { VRING_PACKED_DESC_F_AVAIL } else { VRING_PACKED_DESC_F_USED };
-                let mut d = [0u8; 16];
-                d[0..8].copy_from_slice(&addr.to_le_bytes());
-                d[8..12].copy_from_slice(&len.to_le_bytes());
-                d[12..14].copy_from_slice(&id.to_le_bytes());
-                d[14..16].copy_from_slice(&fl.to_le_bytes());
+                let (slot, d) = ops.packed_desc(size, a & 1 != 0);
                 run.poke(desc + 16 * slot as u64, &d);
             }
             6 => {

@@ -16,17 +16,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vhostd_fuzz::{check_batch, split_layout, Guest, Reader};
+use vhostd_fuzz::{access_of, check_batch, split_layout, Guest, Reader};
 use virtq::ring::{features, VRING_USED_F_NO_NOTIFY};
 use virtq::{Access, AddrSpace, Batch, SplitConfig, SplitQueue};
-
-fn access_of(v: u8) -> Access {
-    match v % 3 {
-        0 => Access::ReadOnly,
-        1 => Access::WriteOnly,
-        _ => Access::ReadThenWrite,
-    }
-}
 
 struct Run {
     q: SplitQueue,

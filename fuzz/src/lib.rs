@@ -25,7 +25,8 @@
 //! every segment the queue hands out is also checked against the regions.
 
 use std::sync::{Arc, OnceLock};
-use virtq::{Batch, Chain, GuestMemory, Mapping, Region, Seg};
+use virtq::ring::{VRING_PACKED_DESC_F_AVAIL, VRING_PACKED_DESC_F_USED};
+use virtq::{Access, Batch, Chain, GuestMemory, Mapping, Region, Seg};
 
 pub const PAGE: usize = 4096;
 const R0_PAGE: usize = 1;
@@ -218,6 +219,32 @@ impl<'a> Reader<'a> {
     }
     pub fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.data)
+    }
+    /// A packed descriptor as a driver makes it available in lap `lap`
+    /// (AVAIL and USED set for it): slot (u8, modulo `size`), addr (u16),
+    /// len (u16), id (u8), NEXT/WRITE/INDIRECT (low 3 bits of a u8).
+    /// Returns the slot and the descriptor's 16 bytes.
+    pub fn packed_desc(&mut self, size: u16, lap: bool) -> (u16, [u8; 16]) {
+        let slot = self.u8() as u16 % size;
+        let addr = self.u16() as u64;
+        let len = self.u16() as u32;
+        let id = self.u8() as u16;
+        let flags = (self.u8() as u16 & 7) | if lap { VRING_PACKED_DESC_F_AVAIL } else { VRING_PACKED_DESC_F_USED };
+        let mut d = [0u8; 16];
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&id.to_le_bytes());
+        d[14..16].copy_from_slice(&flags.to_le_bytes());
+        (slot, d)
+    }
+}
+
+/// The access a pop asks for, from a nibble of the input.
+pub fn access_of(v: u8) -> Access {
+    match v % 3 {
+        0 => Access::ReadOnly,
+        1 => Access::WriteOnly,
+        _ => Access::ReadThenWrite,
     }
 }
 
