@@ -600,6 +600,22 @@ fn stop_blk(d: Daemon, checks: u64) {
     assert_eq!(s.queue(0, "bad_chains"), 0);
 }
 
+/// How most cases end: the hostile connection went without leaving fds,
+/// mappings or threads behind, the next net frontend works, and vhostd's
+/// totals hold only that frontend's frames.
+fn net_serves_next(d: Daemon, w: &Watch) {
+    w.settled();
+    net_works(&d, w, 0);
+    stop_net(d, NET_FRAMES as u64);
+}
+
+/// `net_serves_next` for blk: one `blk_works` after the hostile connection.
+fn blk_serves_next(d: Daemon, w: &Watch) {
+    w.settled();
+    blk_works(&d, w);
+    stop_blk(d, 1);
+}
+
 // ---- truncated, oversized and mis-sized messages ---------------------------
 
 #[test]
@@ -628,9 +644,7 @@ fn truncated_messages_then_close() {
         r.expect_closed(what);
         w.alive();
     }
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -654,9 +668,7 @@ fn a_size_past_the_payload_limit_closes_the_connection_at_once() {
     msg[8..12].copy_from_slice(&4096u32.to_le_bytes());
     r.send_bytes(&msg, &[]);
     r.expect_closed("SET_FEATURES announcing 4096 bytes, sending 8");
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -710,9 +722,7 @@ fn wrong_sizes_for_fixed_size_messages_close_the_connection() {
         r.expect_ack(SET_MEM_TABLE, 1, what);
         r.expect_closed(what);
     }
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 // ---- file descriptors ---------------------------------------------------------
@@ -750,9 +760,7 @@ fn missing_file_descriptors() {
     r.accepted(SET_VRING_CALL, &u64b(NO_FD), "SET_VRING_CALL, no fd, bit 8 set");
     r.expect_alive(NET_OFFERED, "after SET_VRING_KICK/CALL without fds");
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 
     // blk: SET_INFLIGHT_FD without its memfd: closed.
     let d = blk_daemon();
@@ -769,9 +777,7 @@ fn missing_file_descriptors() {
     r.expect_ack(SET_INFLIGHT_FD, 1, "SET_INFLIGHT_FD of 1 MiB of a 4 KiB memfd");
     r.expect_alive(BLK_OFFERED, "after refused SET_INFLIGHT_FD");
     drop(r);
-    w.settled();
-    blk_works(&d, &w);
-    stop_blk(d, 1);
+    blk_serves_next(d, &w);
 }
 
 #[test]
@@ -786,9 +792,7 @@ fn add_mem_reg_without_its_fd_is_answered() {
         g => panic!("ADD_MEM_REG without its fd: expected an error ack or a close, got {g:?}"),
     }
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -846,9 +850,7 @@ fn extra_file_descriptors() {
     r.expect_alive(NET_OFFERED, "SET_VRING_ENABLE with an fd");
     drop(r);
     // Every descriptor sent was closed by vhostd.
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -877,9 +879,7 @@ fn a_message_with_more_fds_than_vhostd_takes_is_refused() {
         wrong.push(format!("SET_FEATURES with 40 fds whose payload is a GET_FEATURES header: got {g:?}"));
     }
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
     assert!(wrong.is_empty(), "{wrong:#?}");
 }
 
@@ -921,9 +921,7 @@ fn overlapping_memory_regions_are_refused() {
     r.expect_ack(SET_MEM_TABLE, 0, "two adjacent regions");
     w.maps_now(2);
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -957,9 +955,7 @@ fn regions_past_the_end_of_their_memfd_or_of_zero_size_are_refused() {
     r.send_fds(SET_MEM_TABLE, NEED_REPLY, &mem_table(&[reg(0, 0, UADDR, 0)]), &[fd]);
     r.expect_ack(SET_MEM_TABLE, 1, "SET_MEM_TABLE with a 0-byte region");
     r.expect_closed("SET_MEM_TABLE with a 0-byte region");
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 /// Fills every memory slot vhostd declares, then one more.
@@ -993,9 +989,7 @@ fn mem_slots_case(d: Daemon) {
     r.expect_ack(SET_MEM_TABLE, 1, "SET_MEM_TABLE with 33 regions");
     r.expect_closed("SET_MEM_TABLE with 33 regions");
     // All 509 mappings went with the connection.
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -1043,9 +1037,7 @@ fn vring_requests_for_queues_that_do_not_exist() {
     r.accepted(SET_VRING_ENABLE, &state(2, 1), "SET_VRING_ENABLE 2");
     r.expect_alive(NET_OFFERED, "after requests for missing queues");
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 
     // blk: one request queue.
     let d = blk_daemon();
@@ -1067,9 +1059,7 @@ fn vring_requests_for_queues_that_do_not_exist() {
     }
     r.expect_alive(BLK_OFFERED, "blk after requests for missing queues");
     drop(r);
-    w.settled();
-    blk_works(&d, &w);
-    stop_blk(d, 1);
+    blk_serves_next(d, &w);
 }
 
 #[test]
@@ -1081,9 +1071,7 @@ fn get_vring_base_of_a_queue_that_does_not_exist_is_answered() {
     let g = r.recv(REPLY_T);
     assert_ne!(g, Got::Nothing, "GET_VRING_BASE 3: neither answered nor closed");
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -1108,9 +1096,7 @@ fn refused_requests_that_expect_a_reply_are_answered_or_closed() {
             hung.push(*what);
         }
     }
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
     // blk: GET_INFLIGHT_FD for more queues than the device has.
     let d = blk_daemon();
     let w = Watch::new(&d);
@@ -1120,9 +1106,7 @@ fn refused_requests_that_expect_a_reply_are_answered_or_closed() {
         hung.push("blk GET_INFLIGHT_FD for 2 queues of a 1-queue device");
     }
     drop(r);
-    w.settled();
-    blk_works(&d, &w);
-    stop_blk(d, 1);
+    blk_serves_next(d, &w);
     assert!(hung.is_empty(), "neither answered nor closed: {hung:?}");
 }
 
@@ -1217,9 +1201,7 @@ fn a_packed_base_with_used_ahead_of_avail_is_refused() {
     // avail: slot 3, wrap 0; used: slot 3, wrap 1 -> -64 in flight.
     r.refused(SET_VRING_BASE, &state(1, 0x8003_0003), "used a lap ahead of avail");
     drop((rx, tx, dev, r));
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -1281,9 +1263,7 @@ fn messages_before_set_owner_are_served() {
     r.accepted(SET_VRING_NUM, &state(0, 64), "SET_VRING_NUM before SET_OWNER");
     w.maps_now(1);
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -1321,9 +1301,7 @@ fn unknown_and_unserved_request_codes_close_the_connection() {
         r.send_bytes(&msg, &[]);
         r.expect_closed(&format!("GET_FEATURES with {what}"));
     }
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -1350,9 +1328,7 @@ fn vhostds_own_requests_check_their_headers() {
             }
         }
     }
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
     assert!(accepted.is_empty(), "served despite a bad header: {accepted:?}");
 }
 
@@ -1415,9 +1391,7 @@ fn many_connections_opened_and_closed_quickly() {
     // Fifty at once, then all gone.
     let held: Vec<Raw> = (0..50).map(|_| Raw::connect(&d)).collect();
     drop(held);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 // ---- the config space ---------------------------------------------------------
@@ -1462,9 +1436,7 @@ fn get_config_past_the_config_space() {
         r.send(GET_CONFIG, 0, &body);
         r.expect_closed(&format!("GET_CONFIG: {what}"));
     }
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 
     // blk: 60 bytes of config; reads past them within 4 KiB are zeros
     // (QEMU asks for its own, larger struct).
@@ -1481,9 +1453,7 @@ fn get_config_past_the_config_space() {
     let mut r = Raw::blk(&d);
     r.send(GET_CONFIG, 0, &config(4095, 2, 0, &[0; 2]));
     r.expect_closed("blk GET_CONFIG offset 4095, size 2");
-    w.settled();
-    blk_works(&d, &w);
-    stop_blk(d, 1);
+    blk_serves_next(d, &w);
 }
 
 #[test]
@@ -1524,9 +1494,7 @@ fn set_config_writes_other_than_the_cache_mode_are_refused() {
     r.send(SET_CONFIG, NEED_REPLY, &config(4095, 2, 0, &[0; 2]));
     r.expect_ack(SET_CONFIG, 1, "SET_CONFIG at 4095+2");
     r.expect_closed("SET_CONFIG at 4095+2");
-    w.settled();
-    blk_works(&d, &w);
-    stop_blk(d, 1);
+    blk_serves_next(d, &w);
 
     // virtio-net's config space is read-only for the driver.
     let d = net_daemon();
@@ -1536,9 +1504,7 @@ fn set_config_writes_other_than_the_cache_mode_are_refused() {
     r.refused(SET_CONFIG, &config(6, 2, 1, &[0, 0]), "net SET_CONFIG of the status (migration flag)");
     assert_eq!(get_config(&mut r, 0, 6), GUEST_MAC.to_vec());
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 // ---- features ---------------------------------------------------------------
@@ -1565,9 +1531,7 @@ fn set_features_with_features_not_offered_is_refused() {
     r.accepted(SET_FEATURES, &u64b(f::VERSION_1 | f::PROTOCOL_FEATURES), "SET_FEATURES offered");
     r.expect_alive(NET_OFFERED, "after refused SET_FEATURES");
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 
     let d = blk_daemon();
     let w = Watch::new(&d);
@@ -1577,9 +1541,7 @@ fn set_features_with_features_not_offered_is_refused() {
     }
     r.expect_alive(BLK_OFFERED, "blk after refused SET_FEATURES");
     drop(r);
-    w.settled();
-    blk_works(&d, &w);
-    stop_blk(d, 1);
+    blk_serves_next(d, &w);
 }
 
 #[test]
@@ -1610,9 +1572,7 @@ fn set_protocol_features_with_unknown_bits_is_refused() {
     r.send(GET_STATUS, 0, &[]);
     assert_eq!(r.reply_u64(GET_STATUS, "GET_STATUS"), 0x0f);
     drop(r);
-    w.settled();
-    net_works(&d, &w, 0);
-    stop_net(d, NET_FRAMES as u64);
+    net_serves_next(d, &w);
 }
 
 // ---- guest memory that goes away, frontends that stall -------------------------
