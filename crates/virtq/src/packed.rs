@@ -361,9 +361,18 @@ impl PackedQueue {
             if !Self::is_avail(flags, pos.wrap) {
                 break;
             }
+            // Slots popped and not yet used: a driver reuses a slot only
+            // after it is used, so one offered beyond `size` of them means it
+            // wrote over descriptors still in flight.
+            let in_flight = self.slots_in_flight();
+            if in_flight >= self.size as u32 {
+                self.stats.count(ChainError::TooLong);
+                self.broken = true;
+                break;
+            }
             // Four simple descriptors in a row (one cache line when the ring
             // is 64-aligned): check their flags together, take them together.
-            if max - batch.chains.len() >= 4 && self.pop4(pos, batch, access) {
+            if max - batch.chains.len() >= 4 && in_flight + 4 <= self.size as u32 && self.pop4(pos, batch, access) {
                 continue;
             }
             // Read the descriptor only after seeing its flags.
@@ -398,7 +407,11 @@ impl PackedQueue {
                     }
                 }
             }
-            match self.walk_chain(pos, batch, access) {
+            let walk = match self.walk_chain(pos, batch, access) {
+                Walk::Done(_, ndesc, _) if in_flight + ndesc as u32 > self.size as u32 => Walk::Broken(ChainError::TooLong),
+                w => w,
+            };
+            match walk {
                 Walk::Broken(e) => {
                     batch.segs.truncate(seg_start);
                     self.stats.count(e);
@@ -433,6 +446,15 @@ impl PackedQueue {
             self.stats.batches += 1;
         }
         batch.chains.len()
+    }
+
+    /// Ring slots between the used and the avail position: those of the
+    /// chains popped and not yet used.
+    #[inline]
+    fn slots_in_flight(&self) -> u32 {
+        let (a, u) = (self.next_avail.linear(self.size), self.next_used.linear(self.size));
+        // Positions on a cycle of 2 x size; no division on this path.
+        if a >= u { a - u } else { a + 2 * self.size as u32 - u }
     }
 
     /// Takes four single-descriptor chains at `pos` if all four are
