@@ -311,6 +311,78 @@ fn a_chain_longer_than_the_ring_or_cut_short_breaks_the_queue() {
     assert!(!q.is_broken());
 }
 
+/// A driver reuses a slot only after the device used it. Slot 0 offered
+/// again (next lap's bits) while its chain is still in flight would put more
+/// than `size` slots in flight (chains of several descriptors leave room in
+/// the device's list of popped chains): the ring breaks, counted as a loop,
+/// whether the offer comes alone, inside four simple descriptors, or at the
+/// end of a chain that starts before the ring's end. Once used, it is fine.
+#[test]
+fn a_slot_offered_again_while_its_chain_is_in_flight_breaks_the_ring() {
+    let mut b = Batch::new();
+    // Seven chains over all eight slots in flight, then slot 0 alone.
+    let r = Ring::new(8);
+    let mut q = r.device();
+    r.avail(1, true, buf(1), 10, 0, 0);
+    r.avail(0, true, buf(0), 10, 0, NEXT);
+    for s in 2..8u16 {
+        r.avail(s, true, buf(s as u64), 10, s, 0);
+    }
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 7);
+    r.avail(0, false, buf(0), 10, 0, 0);
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 0);
+    assert!(q.is_broken());
+    assert_eq!(q.stats.bad_loop, 1);
+
+    // A chain over slots 0..3, used, and one over 3..8, in flight; slots
+    // 0..4 of the next lap offered as four simple descriptors: the three
+    // that were used are taken, then the ring breaks at slot 3.
+    let r = Ring::new(8);
+    let mut q = r.device();
+    for s in (0..8u16).rev() {
+        let last = s == 2 || s == 7;
+        r.avail(s, true, buf(s as u64), 10, s, if last { 0 } else { NEXT });
+    }
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 2);
+    q.add_used(2, 0);
+    q.publish_used();
+    for s in 0..4u16 {
+        r.avail(s, false, buf(s as u64), 10, 10 + s, 0);
+    }
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 3);
+    assert_eq!(b.chains.iter().map(|c| c.head).collect::<Vec<_>>(), [10, 11, 12]);
+    assert!(q.is_broken());
+    assert_eq!(q.stats.bad_loop, 1);
+
+    // Slots 0..6 in flight; a chain over slots 6, 7 and slot 0 of the next lap.
+    let r = Ring::new(8);
+    let mut q = r.device();
+    for s in 0..6u16 {
+        r.avail(s, true, buf(s as u64), 10, s, 0);
+    }
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 6);
+    r.avail(0, false, buf(0), 10, 9, 0);
+    r.avail(7, true, buf(7), 10, 0, NEXT);
+    r.avail(6, true, buf(6), 10, 0, NEXT);
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 0);
+    assert!(q.is_broken());
+    assert_eq!(q.stats.bad_loop, 1);
+
+    // A well-behaved driver: slot 0 offered again after its chain was used.
+    let r = Ring::new(8);
+    let mut q = r.device();
+    for s in 0..8u16 {
+        r.avail(s, true, buf(s as u64), 10, s, 0);
+    }
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 8);
+    q.add_used(0, 0);
+    q.publish_used();
+    r.avail(0, false, buf(0), 10, 0, 0);
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 1);
+    assert!(!q.is_broken());
+    assert_eq!(q.stats.bad_loop, 0);
+}
+
 #[test]
 fn unpop_gives_chains_back_to_be_popped_again() {
     let r = Ring::new(8);
