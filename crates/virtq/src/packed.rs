@@ -354,6 +354,11 @@ impl PackedQueue {
         if self.broken {
             return 0;
         }
+        // Ring slots not popped or popped and used. A driver reuses a slot
+        // only after it is used, so a chain that needs more than these wrote
+        // over descriptors still in flight. Counted down here rather than
+        // recomputed per chain.
+        let mut room = (self.size as u32).saturating_sub(self.slots_in_flight());
         // At most `size` chains can be popped and not yet used.
         while batch.chains.len() < max && self.popped_len < self.popped.len() {
             let pos = self.next_avail;
@@ -361,18 +366,15 @@ impl PackedQueue {
             if !Self::is_avail(flags, pos.wrap) {
                 break;
             }
-            // Slots popped and not yet used: a driver reuses a slot only
-            // after it is used, so one offered beyond `size` of them means it
-            // wrote over descriptors still in flight.
-            let in_flight = self.slots_in_flight();
-            if in_flight >= self.size as u32 {
+            if room == 0 {
                 self.stats.count(ChainError::TooLong);
                 self.broken = true;
                 break;
             }
             // Four simple descriptors in a row (one cache line when the ring
             // is 64-aligned): check their flags together, take them together.
-            if max - batch.chains.len() >= 4 && in_flight + 4 <= self.size as u32 && self.pop4(pos, batch, access) {
+            if max - batch.chains.len() >= 4 && room >= 4 && self.pop4(pos, batch, access) {
+                room -= 4;
                 continue;
             }
             // Read the descriptor only after seeing its flags.
@@ -403,12 +405,13 @@ impl PackedQueue {
                         self.push_popped(pos, 1, d.id);
                         self.next_avail = pos.advance(1, self.size);
                         self.stats.fast_chains += 1;
+                        room -= 1;
                         continue;
                     }
                 }
             }
             let walk = match self.walk_chain(pos, batch, access) {
-                Walk::Done(_, ndesc, _) if in_flight + ndesc as u32 > self.size as u32 => Walk::Broken(ChainError::TooLong),
+                Walk::Done(_, ndesc, _) if ndesc as u32 > room => Walk::Broken(ChainError::TooLong),
                 w => w,
             };
             match walk {
@@ -424,6 +427,7 @@ impl PackedQueue {
                     batch.chains.push(chain);
                     self.push_popped(pos, ndesc, id);
                     self.next_avail = pos.advance(ndesc, self.size);
+                    room -= ndesc as u32;
                 }
                 Walk::Done(Err(_), _, _) if !batch.chains.is_empty() || self.popped_len != 0 => {
                     // Used descriptors go out in pop order: complete this one
@@ -435,6 +439,8 @@ impl PackedQueue {
                 Walk::Done(Err(e), ndesc, id) => {
                     batch.segs.truncate(seg_start);
                     self.stats.count(e);
+                    // Popped and used at once (nothing was in flight): no
+                    // change to `room`.
                     self.push_popped(pos, ndesc, id);
                     self.next_avail = pos.advance(ndesc, self.size);
                     self.add_used(id, 0);
