@@ -604,7 +604,7 @@ impl SplitQueue {
                     .translate(d.addr, d.len as u64, &mut self.region_hint)
                     .ok_or(ChainError::BadAddress)?;
                 if !d.addr.is_multiple_of(16) {
-                    // read_desc reads [u8; 16], which has no alignment need,
+                    // read_desc copes with any alignment (read_desc_words),
                     // but the spec requires 16-byte alignment; refuse sloppiness.
                     return Err(ChainError::BadIndirect);
                 }
