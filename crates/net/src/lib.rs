@@ -240,7 +240,7 @@ pub fn process_tx(
                         if layout.tx_offloads {
                             std::ptr::copy_nonoverlapping(seg.addr, buf.vnet_hdr.as_mut_ptr(), VNET_HDR_LEN);
                         }
-                        std::ptr::copy_nonoverlapping(seg.addr.add(hdr_len), buf.storage().as_mut_ptr(), frame)
+                        copy_frame(seg.addr.add(hdr_len), buf.storage().as_mut_ptr(), frame)
                     }
                 }
                 _ => {
@@ -299,6 +299,49 @@ pub fn process_rx(
     done + (rx.stats().bad_chains - bad_before) as usize
 }
 
+/// Copies `n` bytes from `src` to `dst`. Frames of 16 to 128 bytes, the
+/// small packets a 64-byte benchmark and most ACK traffic move, are copied
+/// with a few overlapping 16- or 32-byte loads and stores inline; a call
+/// into `memcpy` and its size dispatch cost more than the copy itself.
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `n` bytes, and the two
+/// ranges must not overlap.
+#[inline(always)]
+unsafe fn copy_frame(src: *const u8, dst: *mut u8, n: usize) {
+    type C32 = [u8; 32];
+    type C16 = [u8; 16];
+    // SAFETY (every arm): each access lies inside [src, src + n) or
+    // [dst, dst + n) because its offset plus its size is at most n; the
+    // chunks may overlap each other but never the other range, and
+    // unaligned reads and writes have no alignment requirement.
+    unsafe {
+        match n {
+            32..=64 => {
+                let (a, b) = ((src as *const C32).read_unaligned(), (src.add(n - 32) as *const C32).read_unaligned());
+                (dst as *mut C32).write_unaligned(a);
+                (dst.add(n - 32) as *mut C32).write_unaligned(b);
+            }
+            65..=128 => {
+                let a = (src as *const C32).read_unaligned();
+                let b = (src.add(32) as *const C32).read_unaligned();
+                let c = (src.add(n - 64) as *const C32).read_unaligned();
+                let d = (src.add(n - 32) as *const C32).read_unaligned();
+                (dst as *mut C32).write_unaligned(a);
+                (dst.add(32) as *mut C32).write_unaligned(b);
+                (dst.add(n - 64) as *mut C32).write_unaligned(c);
+                (dst.add(n - 32) as *mut C32).write_unaligned(d);
+            }
+            16..=31 => {
+                let (a, b) = ((src as *const C16).read_unaligned(), (src.add(n - 16) as *const C16).read_unaligned());
+                (dst as *mut C16).write_unaligned(a);
+                (dst.add(n - 16) as *mut C16).write_unaligned(b);
+            }
+            _ => std::ptr::copy_nonoverlapping(src, dst, n),
+        }
+    }
+}
+
 /// Writes header then frame into a chain's buffers (which have room for both).
 #[inline]
 fn write_frame(segs: &[virtq::Seg], hdr: &[u8], frame: &[u8]) {
@@ -308,7 +351,7 @@ fn write_frame(segs: &[virtq::Seg], hdr: &[u8], frame: &[u8]) {
             // in the pattern guard); sources are host memory, not overlapping.
             unsafe {
                 std::ptr::copy_nonoverlapping(hdr.as_ptr(), seg.addr, hdr.len());
-                std::ptr::copy_nonoverlapping(frame.as_ptr(), seg.addr.add(hdr.len()), frame.len());
+                copy_frame(frame.as_ptr(), seg.addr.add(hdr.len()), frame.len());
             }
         }
         _ => {
@@ -574,6 +617,23 @@ pub fn process_ctrl(q: &mut Queue, batch: &mut Batch, state: &mut CtrlState) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_frame_copies_exactly_n_bytes_at_every_size_and_alignment() {
+        let src: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
+        for n in 0..=300 {
+            for (so, d_off) in [(0, 0), (1, 3), (5, 17), (31, 1)] {
+                let mut dst = vec![0xAAu8; 400];
+                // SAFETY: so + n <= 331 < 400 and 8 + d_off + n <= 325 < 400;
+                // two separate vectors.
+                unsafe { copy_frame(src.as_ptr().add(so), dst.as_mut_ptr().add(8 + d_off), n) };
+                let at = 8 + d_off;
+                assert_eq!(&dst[at..at + n], &src[so..so + n], "n {n} src offset {so}");
+                assert!(dst[..at].iter().all(|&b| b == 0xAA), "n {n}: wrote before the range");
+                assert!(dst[at + n..].iter().all(|&b| b == 0xAA), "n {n}: wrote after the range");
+            }
+        }
+    }
 
     #[test]
     fn config_layout() {
