@@ -510,18 +510,29 @@ impl PackedQueue {
         for h in host {
             crate::split::prefetch_buffer(h, write);
         }
-        for k in 0..4 {
-            let seg_start = batch.segs.len() as u32;
-            batch.segs.push(Seg { addr: host[k], len: d[k].len });
-            batch.chains.push(Chain {
-                head: d[k].id,
-                seg_start,
-                n_read: !write as u16,
-                n_write: write as u16,
-                read_len: if write { 0 } else { d[k].len },
-                write_len: if write { d[k].len } else { 0 },
-            });
-            self.push_popped(pos.advance(k as u16, self.size), 1, d[k].id);
+        // Appended four at a time: one capacity check per array, not one per chain.
+        let seg_start = batch.segs.len() as u32;
+        batch.segs.extend_from_slice(&std::array::from_fn::<_, 4, _>(|k| Seg { addr: host[k], len: d[k].len }));
+        batch.chains.extend_from_slice(&std::array::from_fn::<_, 4, _>(|k| Chain {
+            head: d[k].id,
+            seg_start: seg_start + k as u32,
+            n_read: !write as u16,
+            n_write: write as u16,
+            read_len: if write { 0 } else { d[k].len },
+            write_len: if write { d[k].len } else { 0 },
+        }));
+        // pos.idx + 4 <= size (checked above): the four slots do not wrap.
+        let tail = self.popped_head + self.popped_len;
+        let n = self.popped.len();
+        if tail + 4 <= n {
+            for (k, p) in self.popped[tail..tail + 4].iter_mut().enumerate() {
+                *p = Popped { start: pos.idx + k as u16, start_wrap: pos.wrap, ndesc: 1, id: d[k].id };
+            }
+            self.popped_len += 4;
+        } else {
+            for k in 0..4 {
+                self.push_popped(Pos { idx: pos.idx + k as u16, wrap: pos.wrap }, 1, d[k].id);
+            }
         }
         self.next_avail = pos.advance(4, self.size);
         self.stats.fast_chains += 4;
