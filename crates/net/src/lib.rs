@@ -666,6 +666,33 @@ mod tests {
     }
 
     #[test]
+    fn write_frame_writes_header_and_frame_and_nothing_else() {
+        let mut f = vhostd_backends::FrameBuf::new();
+        f.vnet_hdr = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+        let hdr = header_words(&f, true, 0x0b0c);
+        let long: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
+        for hdr_len in [LEGACY_HDR_LEN, HDR_LEN] {
+            // An empty frame too: nothing past the header may be written.
+            for frame in [&long[..], &[]] {
+                let want: Vec<u8> = header_bytes(hdr)[..hdr_len].iter().chain(frame).copied().collect();
+                let check = |got: Vec<u8>, how: &str| {
+                    assert_eq!(&got[..want.len()], &want[..], "{how}, header {hdr_len}, frame {}", frame.len());
+                    assert!(got[want.len()..].iter().all(|&b| b == 0xEE), "{how}: wrote past the frame");
+                };
+                // One buffer with room to spare (the fast path).
+                let mut one = vec![0xEEu8; want.len() + 7];
+                write_frame(&[virtq::Seg { addr: one.as_mut_ptr(), len: one.len() as u32 }], hdr_len, hdr, frame);
+                check(one, "one buffer");
+                // Three buffers, the first shorter than the header.
+                let (mut a, mut b, mut c) = (vec![0xEEu8; 5], vec![0xEEu8; 40], vec![0xEEu8; 60]);
+                let segs = [&mut a, &mut b, &mut c].map(|v| virtq::Seg { addr: v.as_mut_ptr(), len: v.len() as u32 });
+                write_frame(&segs, hdr_len, hdr, frame);
+                check([a, b, c].concat(), "three buffers");
+            }
+        }
+    }
+
+    #[test]
     fn config_layout() {
         let c = NetConfig { mac: [2, 0, 0, 0, 0, 1], status: 1, max_queue_pairs: 4, mtu: 1500 };
         assert_eq!(c.bytes(), [2, 0, 0, 0, 0, 1, 1, 0, 4, 0, 0xdc, 0x05]);
