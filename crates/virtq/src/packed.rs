@@ -530,8 +530,8 @@ impl PackedQueue {
             }
             self.popped_len += 4;
         } else {
-            for k in 0..4 {
-                self.push_popped(Pos { idx: pos.idx + k as u16, wrap: pos.wrap }, 1, d[k].id);
+            for (k, dk) in d.iter().enumerate() {
+                self.push_popped(Pos { idx: pos.idx + k as u16, wrap: pos.wrap }, 1, dk.id);
             }
         }
         self.next_avail = pos.advance(4, self.size);
