@@ -359,6 +359,7 @@ unsafe fn copy_frame(src: *const u8, dst: *mut u8, n: usize) {
 /// miss per frame in series: a third of the packed loop's cycles.
 #[inline]
 fn write_frame(segs: &[virtq::Seg], hdr_len: usize, hdr: (u64, u32), frame: &[u8]) {
+    debug_assert!(hdr_len == HDR_LEN || hdr_len == LEGACY_HDR_LEN);
     match segs {
         [seg] if seg.len as usize >= hdr_len + frame.len() => {
             // SAFETY: the one buffer has room for header and frame (checked
@@ -679,10 +680,12 @@ mod tests {
                     assert_eq!(&got[..want.len()], &want[..], "{how}, header {hdr_len}, frame {}", frame.len());
                     assert!(got[want.len()..].iter().all(|&b| b == 0xEE), "{how}: wrote past the frame");
                 };
-                // One buffer with room to spare (the fast path).
-                let mut one = vec![0xEEu8; want.len() + 7];
-                write_frame(&[virtq::Seg { addr: one.as_mut_ptr(), len: one.len() as u32 }], hdr_len, hdr, frame);
-                check(one, "one buffer");
+                // One buffer (the fast path), exactly the size or with room to spare.
+                for spare in [0, 7] {
+                    let mut one = vec![0xEEu8; want.len() + spare];
+                    write_frame(&[virtq::Seg { addr: one.as_mut_ptr(), len: one.len() as u32 }], hdr_len, hdr, frame);
+                    check(one, "one buffer");
+                }
                 // Three buffers, the first shorter than the header.
                 let (mut a, mut b, mut c) = (vec![0xEEu8; 5], vec![0xEEu8; 40], vec![0xEEu8; 60]);
                 let segs = [&mut a, &mut b, &mut c].map(|v| virtq::Seg { addr: v.as_mut_ptr(), len: v.len() as u32 });

@@ -714,9 +714,11 @@ impl PackedQueue {
             // 8-byte store, which the driver sees whole: one store per used
             // descriptor instead of three.
             let word = len as u64 | (id as u64) << 32 | (flags as u64) << 48;
-            // SAFETY: as above; offset 8 of a 16-aligned slot is 8-aligned,
-            // and guest memory is only ever accessed through volatile or
-            // atomic operations, never through references.
+            // SAFETY: as above; offset 8 of a 16-aligned slot is 8-aligned.
+            // The ring is shared with the guest, outside Rust's memory model;
+            // this side touches it only through raw-pointer accesses, never
+            // references, and an aligned 8-byte store is single-copy atomic
+            // on the hardware, which is what the driver relies on.
             unsafe { AtomicU64::from_ptr(self.ring.add(base + DESC_LEN) as *mut u64) }.store(word.to_le(), Ordering::Release);
         }
         self.next_used = self.next_used.advance(p.ndesc, self.size);
