@@ -359,11 +359,7 @@ impl PackedQueue {
         // over descriptors still in flight. Counted down here rather than
         // recomputed per chain.
         let mut room = (self.size as u32).saturating_sub(self.slots_in_flight());
-        // The used descriptors go back into the slots about to be read:
-        // fetch the line to own it, or each used write costs a second
-        // cross-CPU transfer to take it from the driver.
-        // SAFETY: next_avail.idx < size: inside the ring.
-        crate::split::prefetch_write(unsafe { self.ring.add(self.next_avail.idx as usize * 16) });
+        self.prefetch_next_slot();
         // At most `size` chains can be popped and not yet used.
         while batch.chains.len() < max && self.popped_len < self.popped.len() {
             let pos = self.next_avail;
@@ -537,13 +533,19 @@ impl PackedQueue {
         self.next_avail = pos.advance(4, self.size);
         self.stats.fast_chains += 4;
         self.stats.batch4 += 1;
-        // The next group's line, while this one is copied: for writing,
-        // since the used descriptors go back into the slots read.
-        if self.next_avail.idx < self.size {
-            // SAFETY: next_avail.idx < size: inside the ring.
-            crate::split::prefetch_write(unsafe { self.ring.add(self.next_avail.idx as usize * 16) });
-        }
+        // The next group's line, while this one is copied.
+        self.prefetch_next_slot();
         true
+    }
+
+    /// Starts fetching the ring line of the next slot to pop, for writing:
+    /// the used descriptors go back into the slots read, and a line fetched
+    /// for reading costs a second cross-CPU transfer, from the driver, at
+    /// the first used write.
+    #[inline]
+    fn prefetch_next_slot(&self) {
+        // A prefetch never faults; next_avail.idx < size keeps it in the ring anyway.
+        crate::split::prefetch_write(self.ring.wrapping_add(self.next_avail.idx as usize * 16));
     }
 
     #[inline]
