@@ -257,6 +257,11 @@ pub struct AfXdp {
     rx_bufs: Vec<FrameBuf>,
     /// RX descriptors lent out by the last rx_frames.
     rx_lent: u32,
+    /// Delivered RX frames not yet back on the fill ring. The kernel
+    /// publishes the RX producer before the fill consumer (in xsk_flush,
+    /// and a zero-copy driver consumes fill entries whenever it refills),
+    /// so just after we read frames the fill ring can still look full.
+    fill_backlog: Vec<u64>,
     /// A TX wake-up failed: frames wait on the TX ring for the next one.
     tx_stalled: bool,
     busy_poll: bool,
@@ -299,6 +304,7 @@ impl AfXdp {
             tx_bufs: (0..BATCH).map(|_| lend()).collect(),
             rx_bufs: (0..BATCH).map(|_| lend()).collect(),
             rx_lent: 0,
+            fill_backlog: Vec::with_capacity(rx),
             tx_stalled: false,
             busy_poll: spec.busy_poll,
             napi_driven: false,
@@ -320,6 +326,23 @@ impl AfXdp {
         }
         if n > 0 {
             self.xsk.comp.release(n);
+        }
+    }
+
+    /// Puts backlogged RX frames on the fill ring, as many as it has room for.
+    fn refill(&mut self) {
+        let want = self.fill_backlog.len() as u32;
+        let n = self.xsk.fill.free(want).min(want);
+        if n == 0 {
+            return;
+        }
+        for (i, &addr) in self.fill_backlog[..n as usize].iter().enumerate() {
+            self.xsk.fill.write(i as u32, addr);
+        }
+        self.xsk.fill.submit(n);
+        self.fill_backlog.drain(..n as usize);
+        if self.xsk.fill.needs_wakeup() {
+            self.xsk.kick_rx();
         }
     }
 
@@ -381,6 +404,9 @@ impl NetBackend for AfXdp {
     }
 
     fn rx_frames(&mut self, max: usize) -> &[FrameBuf] {
+        if !self.fill_backlog.is_empty() {
+            self.refill();
+        }
         let max = max.min(BATCH) as u32;
         let mut n = self.xsk.rx.ready(max).min(max);
         // Busy polling: an empty ring costs a syscall that runs the device's
@@ -412,19 +438,30 @@ impl NetBackend for AfXdp {
         if n == 0 {
             return;
         }
-        // The fill ring holds every RX frame, so it has room for these.
-        let room = self.xsk.fill.free(n);
-        let n = n.min(room);
+        // All n leave the RX ring now: they were delivered, and an RX
+        // descriptor kept back would be handed out again. The fill ring
+        // takes what it has room for (usually all); the rest waits in the
+        // backlog, behind anything already there.
+        let room = if self.fill_backlog.is_empty() { self.xsk.fill.free(n).min(n) } else { 0 };
         for i in 0..n {
             let addr = self.umem.frame_base(self.xsk.rx.read(i).addr);
-            self.xsk.fill.write(i, addr);
+            if i < room {
+                self.xsk.fill.write(i, addr);
+            } else {
+                self.fill_backlog.push(addr);
+            }
         }
-        self.xsk.fill.submit(n);
         self.xsk.rx.release(n);
         self.rx_lent = 0;
         self.stats.rx_frames += n as u64;
-        if self.xsk.fill.needs_wakeup() {
-            self.xsk.kick_rx();
+        if room > 0 {
+            self.xsk.fill.submit(room);
+            if self.xsk.fill.needs_wakeup() {
+                self.xsk.kick_rx();
+            }
+        }
+        if !self.fill_backlog.is_empty() {
+            self.refill();
         }
     }
 

@@ -62,6 +62,11 @@ fn guest_recv(rx: &mut RxQueue, n: usize) -> Vec<Vec<u8>> {
     got
 }
 
+/// The sequence numbers of test frames, for failure messages.
+fn seqs(frames: &[Vec<u8>]) -> Vec<u32> {
+    frames.iter().map(|f| f.get(14..18).map_or(u32::MAX, |b| u32::from_le_bytes(b.try_into().unwrap()))).collect()
+}
+
 /// Frames both ways through one queue pair, byte for byte and in order.
 fn both_ways(mode: &str) {
     both_ways_with(mode, "")
@@ -95,7 +100,7 @@ fn both_ways_with(mode: &str, extra: &str) {
         }
         let want = got.len() + chunk.len();
         got.extend(guest_recv(&mut rx, chunk.len()));
-        assert_eq!(got.len(), want, "{mode}: the guest got {} of {want} frames", got.len());
+        assert_eq!(got.len(), want, "{mode}: the guest got {} of {want} frames: {:?}", got.len(), seqs(&got));
     }
     assert_eq!(got, sent, "{mode}: frames from the wire differ in the guest");
 
