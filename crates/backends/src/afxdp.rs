@@ -465,6 +465,14 @@ impl NetBackend for AfXdp {
         }
     }
 
+    fn retry_deferred(&mut self) -> bool {
+        if self.fill_backlog.is_empty() {
+            return false;
+        }
+        self.refill();
+        !self.fill_backlog.is_empty()
+    }
+
     fn rx_fd(&self) -> Option<RawFd> {
         Some(self.xsk.fd())
     }

@@ -284,11 +284,12 @@ const WAKE_TOKEN: u64 = u64::MAX;
 const BACKEND_TOKEN: u64 = u64::MAX - 1;
 /// Most `pause` instructions between two polls of idle rings (about a microsecond).
 const MAX_BACKOFF: u32 = 32;
-/// Idle passes with TX blocked before the worker sleeps between looks (a
-/// backend's completions normally arrive within microseconds; a downed
-/// interface must not cost a spinning CPU).
+/// Idle passes with TX blocked (or backend work deferred) before the worker
+/// sleeps between looks (a backend's completions normally arrive within
+/// microseconds; a downed interface must not cost a spinning CPU).
 const BLOCKED_SPINS: u32 = 4096;
-/// How long a worker with TX blocked sleeps between looks, in milliseconds.
+/// How long a worker with TX blocked (or backend work deferred) sleeps
+/// between looks, in milliseconds.
 const BLOCKED_SLEEP_MS: i32 = 1;
 
 /// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
@@ -404,8 +405,14 @@ impl Worker {
                 continue;
             }
             self.idle_iters += 1;
-            if self.tx_blocked {
-                // Only the backend can unblock TX: no kick would say so.
+            let deferred = match &mut self.engine {
+                Engine::Net(backend) => backend.retry_deferred(),
+                Engine::Blk { .. } => false,
+            };
+            // Polling looks again anyway.
+            if self.tx_blocked || (deferred && self.mode != Mode::Poll) {
+                // Only the backend can unblock TX, or finish what it put
+                // off: no kick or event would say so.
                 self.blocked_passes += 1;
                 if self.blocked_passes < BLOCKED_SPINS {
                     std::hint::spin_loop();
