@@ -486,3 +486,109 @@ impl NetBackend for AfXdp {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("ip");
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// A raw packet socket sending on `ifname`.
+    fn packet_socket(ifname: &str) -> OwnedFd {
+        // SAFETY: plain socket calls; results checked; sockaddr_ll is plain data.
+        unsafe {
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "packet socket: {}", io::Error::last_os_error());
+            let fd = OwnedFd::from_raw_fd(fd);
+            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_ifindex = xsk::ifindex(ifname).unwrap() as i32;
+            let r = libc::bind(fd.as_raw_fd(), &sll as *const _ as *const libc::sockaddr, std::mem::size_of_val(&sll) as u32);
+            assert_eq!(r, 0, "bind: {}", io::Error::last_os_error());
+            fd
+        }
+    }
+
+    fn send_frames(fd: &OwnedFd, seqs: std::ops::Range<u8>) {
+        for s in seqs {
+            let mut f = [s; 64];
+            f[..6].copy_from_slice(&[0xff; 6]);
+            f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
+            f[12..14].copy_from_slice(&[0x88, 0xb5]);
+            // SAFETY: f is readable for its length.
+            let n = unsafe { libc::send(fd.as_raw_fd(), f.as_ptr().cast(), f.len(), 0) };
+            assert_eq!(n, 64, "send: {}", io::Error::last_os_error());
+        }
+    }
+
+    /// The frames' sequence bytes `rx_frames` lends now, once `n` are ready
+    /// (or 5 s passed).
+    fn lend(q: &mut AfXdp, n: usize) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while q.xsk.rx.ready(n as u32) < n as u32 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        q.rx_frames(BATCH).iter().map(|f| f.frame()[14]).collect()
+    }
+
+    /// The kernel publishes the RX producer before the fill consumer: a
+    /// frame can be on the RX ring while the fill ring still looks full.
+    /// Delivered frames must then leave the RX ring anyway (not be lent
+    /// again) and reach the fill ring once it shows room.
+    #[test]
+    fn delivered_frames_leave_the_rx_ring_when_the_fill_ring_looks_full() {
+        // A namespace of this thread's own: it goes when the thread ends.
+        std::thread::spawn(|| {
+            // SAFETY: unshare affects only this thread (CLONE_NEWNET).
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare: {}", io::Error::last_os_error());
+            ip(&["link", "add", "vx0", "type", "veth", "peer", "name", "vx1"]);
+            for i in ["vx0", "vx1"] {
+                ip(&["link", "set", i, "addrgenmode", "none"]);
+                ip(&["link", "set", i, "up"]);
+            }
+            let mut spec = AfXdpSpec::new("vx0");
+            spec.mode = Some(XdpMode::Native);
+            spec.rx_ring = 64;
+            spec.tx_ring = 64;
+            let (mut qs, _control, _link) = open(&spec, 1).expect("AF_XDP on vx0");
+            let q = &mut qs[0];
+            let wire = packet_socket("vx1");
+
+            send_frames(&wire, 0..3);
+            assert_eq!(lend(q, 3), [0, 1, 2]);
+            // Stand in for the kernel between its two publishes: the fill
+            // consumer word back by the three frames it took.
+            let cons = q.xsk.fill.shared_consumer();
+            let real = cons.load(Ordering::Acquire);
+            assert_eq!(real, 3, "the kernel took three fill entries");
+            cons.store(real - 3, Ordering::Release);
+            q.rx_consume(3);
+            assert_eq!(q.rx_frames(BATCH).len(), 0, "delivered frames are not lent again");
+            assert!(q.retry_deferred(), "the fill ring still looks full: the frames wait");
+            q.xsk.fill.shared_consumer().store(real, Ordering::Release);
+            assert!(!q.retry_deferred(), "room appeared: the backlog is on the fill ring");
+
+            // Every one of the 64 RX frames is on the fill ring again: a
+            // full ring's worth arrives, none dropped for want of a frame.
+            send_frames(&wire, 10..74);
+            let mut got = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while got.len() < 64 && Instant::now() < deadline {
+                let f = lend(q, 1);
+                let n = f.len();
+                got.extend(f);
+                q.rx_consume(n);
+            }
+            assert_eq!(got, (10..74).collect::<Vec<u8>>());
+            assert_eq!(q.stats().rx_frames, 67);
+        })
+        .join()
+        .unwrap();
+    }
+}

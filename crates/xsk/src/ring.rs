@@ -145,6 +145,14 @@ impl<T: Copy> ProdRing<T> {
     pub fn size(&self) -> u32 {
         self.size
     }
+
+    /// The kernel's consumer word: for tests that stand in for a kernel
+    /// which has not yet published what it consumed.
+    #[doc(hidden)]
+    pub fn shared_consumer(&self) -> &AtomicU32 {
+        // SAFETY: an aligned u32 inside the mapping, which lives as long as self.
+        unsafe { &*self.map.consumer }
+    }
 }
 
 impl<T: Copy> ConsRing<T> {
