@@ -262,7 +262,8 @@ pub struct AfXdp {
     /// and a zero-copy driver consumes fill entries whenever it refills),
     /// so just after we read frames the fill ring can still look full.
     fill_backlog: Vec<u64>,
-    /// A TX wake-up failed: frames wait on the TX ring for the next one.
+    /// A TX wake-up failed: frames wait on the TX ring for the next one
+    /// (the next batch's, or `retry_deferred`'s).
     tx_stalled: bool,
     busy_poll: bool,
     /// A TX wake-up ran since the last RX poll: with busy polling it also
@@ -466,11 +467,19 @@ impl NetBackend for AfXdp {
     }
 
     fn retry_deferred(&mut self) -> bool {
-        if self.fill_backlog.is_empty() {
-            return false;
+        if !self.fill_backlog.is_empty() {
+            self.refill();
         }
-        self.refill();
-        !self.fill_backlog.is_empty()
+        // Frames on the TX ring whose wake-up failed go out with the next
+        // one: not only when the guest sends again.
+        if self.tx_stalled {
+            if self.xsk.tx.needs_wakeup() {
+                self.kick_tx();
+            } else {
+                self.tx_stalled = false;
+            }
+        }
+        !self.fill_backlog.is_empty() || self.tx_stalled
     }
 
     fn rx_fd(&self) -> Option<RawFd> {
@@ -499,15 +508,42 @@ mod tests {
         assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 
-    /// A raw packet socket sending on `ifname`.
+    const ETH_P_TEST: u16 = 0x88b5;
+
+    /// Runs `f` with an AF_XDP socket on vx0 (native mode, 64-entry rings)
+    /// and a packet socket on its peer vx1, in a network namespace of a
+    /// thread of its own: it goes when the thread ends, however it ends.
+    fn on_veth(f: impl FnOnce(&mut AfXdp, &OwnedFd) + Send + 'static) {
+        std::thread::spawn(|| {
+            // SAFETY: unshare affects only this thread (CLONE_NEWNET).
+            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare: {}", io::Error::last_os_error());
+            ip(&["link", "add", "vx0", "type", "veth", "peer", "name", "vx1"]);
+            for i in ["vx0", "vx1"] {
+                ip(&["link", "set", i, "addrgenmode", "none"]);
+                ip(&["link", "set", i, "up"]);
+            }
+            let mut spec = AfXdpSpec::new("vx0");
+            spec.mode = Some(XdpMode::Native);
+            spec.rx_ring = 64;
+            spec.tx_ring = 64;
+            let (mut qs, _control, _link) = open(&spec, 1).expect("AF_XDP on vx0");
+            let wire = packet_socket("vx1");
+            f(&mut qs[0], &wire);
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// A packet socket on `ifname` sending, and receiving test frames.
     fn packet_socket(ifname: &str) -> OwnedFd {
         // SAFETY: plain socket calls; results checked; sockaddr_ll is plain data.
         unsafe {
-            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0);
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, ETH_P_TEST.to_be() as i32);
             assert!(fd >= 0, "packet socket: {}", io::Error::last_os_error());
             let fd = OwnedFd::from_raw_fd(fd);
             let mut sll: libc::sockaddr_ll = std::mem::zeroed();
             sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_protocol = ETH_P_TEST.to_be();
             sll.sll_ifindex = xsk::ifindex(ifname).unwrap() as i32;
             let r = libc::bind(fd.as_raw_fd(), &sll as *const _ as *const libc::sockaddr, std::mem::size_of_val(&sll) as u32);
             assert_eq!(r, 0, "bind: {}", io::Error::last_os_error());
@@ -515,12 +551,18 @@ mod tests {
         }
     }
 
+    /// A 64-byte test frame whose payload bytes are all `seq`.
+    fn test_frame(seq: u8) -> [u8; 64] {
+        let mut f = [seq; 64];
+        f[..6].copy_from_slice(&[0xff; 6]);
+        f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
+        f[12..14].copy_from_slice(&ETH_P_TEST.to_be_bytes());
+        f
+    }
+
     fn send_frames(fd: &OwnedFd, seqs: std::ops::Range<u8>) {
         for s in seqs {
-            let mut f = [s; 64];
-            f[..6].copy_from_slice(&[0xff; 6]);
-            f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
-            f[12..14].copy_from_slice(&[0x88, 0xb5]);
+            let f = test_frame(s);
             // SAFETY: f is readable for its length.
             let n = unsafe { libc::send(fd.as_raw_fd(), f.as_ptr().cast(), f.len(), 0) };
             assert_eq!(n, 64, "send: {}", io::Error::last_os_error());
@@ -543,24 +585,8 @@ mod tests {
     /// again) and reach the fill ring once it shows room.
     #[test]
     fn delivered_frames_leave_the_rx_ring_when_the_fill_ring_looks_full() {
-        // A namespace of this thread's own: it goes when the thread ends.
-        std::thread::spawn(|| {
-            // SAFETY: unshare affects only this thread (CLONE_NEWNET).
-            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare: {}", io::Error::last_os_error());
-            ip(&["link", "add", "vx0", "type", "veth", "peer", "name", "vx1"]);
-            for i in ["vx0", "vx1"] {
-                ip(&["link", "set", i, "addrgenmode", "none"]);
-                ip(&["link", "set", i, "up"]);
-            }
-            let mut spec = AfXdpSpec::new("vx0");
-            spec.mode = Some(XdpMode::Native);
-            spec.rx_ring = 64;
-            spec.tx_ring = 64;
-            let (mut qs, _control, _link) = open(&spec, 1).expect("AF_XDP on vx0");
-            let q = &mut qs[0];
-            let wire = packet_socket("vx1");
-
-            send_frames(&wire, 0..3);
+        on_veth(|q, wire| {
+            send_frames(wire, 0..3);
             assert_eq!(lend(q, 3), [0, 1, 2]);
             // Stand in for the kernel between its two publishes: the fill
             // consumer word back by the three frames it took.
@@ -576,7 +602,7 @@ mod tests {
 
             // Every one of the 64 RX frames is on the fill ring again: a
             // full ring's worth arrives, none dropped for want of a frame.
-            send_frames(&wire, 10..74);
+            send_frames(wire, 10..74);
             let mut got = Vec::new();
             let deadline = Instant::now() + Duration::from_secs(5);
             while got.len() < 64 && Instant::now() < deadline {
@@ -587,8 +613,41 @@ mod tests {
             }
             assert_eq!(got, (10..74).collect::<Vec<u8>>());
             assert_eq!(q.stats().rx_frames, 67);
-        })
-        .join()
-        .unwrap();
+        });
+    }
+
+    /// Frames whose TX wake-up the kernel refused (here: vx0 down) go out
+    /// on a later retry, without the guest sending anything more.
+    #[test]
+    fn frames_whose_tx_wakeup_failed_go_out_on_retry() {
+        on_veth(|q, wire| {
+            ip(&["link", "set", "vx0", "down"]);
+            let bufs = q.tx_buffers(3);
+            assert_eq!(bufs.len(), 3);
+            for (i, b) in bufs.iter_mut().enumerate() {
+                b.storage()[..64].copy_from_slice(&test_frame(i as u8));
+                b.len = 64;
+            }
+            q.tx_commit(3);
+            assert!(q.tx_stalled, "the wake-up fails while vx0 is down");
+            assert!(q.retry_deferred(), "still down: the frames wait");
+            ip(&["link", "set", "vx0", "up"]);
+            assert!(!q.retry_deferred(), "vx0 is up: the retried wake-up sends them");
+            let mut got = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while got.len() < 3 && Instant::now() < deadline {
+                let mut p = libc::pollfd { fd: wire.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                if unsafe { libc::poll(&mut p, 1, 100) } != 1 {
+                    continue;
+                }
+                let mut buf = [0u8; 2048];
+                // SAFETY: buf is writable for its length.
+                let n = unsafe { libc::recv(wire.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                assert_eq!(n, 64, "recv: {}", io::Error::last_os_error());
+                got.push(buf[14]);
+            }
+            assert_eq!(got, [0, 1, 2], "the wire got the frames once each, in order");
+        });
     }
 }

@@ -138,8 +138,8 @@ pub trait NetBackend: Send {
     /// The first `n` frames of the last `rx_frames` were delivered (or dropped
     /// by the device, e.g. too big for the guest's buffers).
     fn rx_consume(&mut self, n: usize);
-    /// Retries work put off for want of room in the kernel's rings (AF_XDP:
-    /// delivered frames not yet back on the fill ring); true while some
+    /// Retries work the kernel put off (AF_XDP: delivered frames the fill
+    /// ring has no room for yet, a TX wake-up it refused); true while some
     /// remains. No event says when the room appears, so the dataplane keeps
     /// looking (sleeping only briefly) while this says true.
     fn retry_deferred(&mut self) -> bool {
