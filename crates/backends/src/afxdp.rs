@@ -258,13 +258,15 @@ pub struct AfXdp {
     /// RX descriptors lent out by the last rx_frames.
     rx_lent: u32,
     /// Delivered RX frames not yet back on the fill ring. The kernel
-    /// publishes the RX producer before the fill consumer (in xsk_flush,
-    /// and a zero-copy driver consumes fill entries whenever it refills),
-    /// so just after we read frames the fill ring can still look full.
+    /// publishes the RX producer before the fill consumer (xsk_flush), so
+    /// just after we read frames the fill ring can still look full.
     fill_backlog: Vec<u64>,
     /// A TX wake-up failed: frames wait on the TX ring for the next one
     /// (the next batch's, or `retry_deferred`'s).
     tx_stalled: bool,
+    /// It failed for a passing reason (busy, no buffers), not a downed
+    /// interface: `retry_deferred` asks to be called again soon.
+    tx_retry_soon: bool,
     busy_poll: bool,
     /// A TX wake-up ran since the last RX poll: with busy polling it also
     /// ran the device's receive processing (the kernel busy-loops in sendmsg).
@@ -307,6 +309,7 @@ impl AfXdp {
             rx_lent: 0,
             fill_backlog: Vec::with_capacity(rx),
             tx_stalled: false,
+            tx_retry_soon: false,
             busy_poll: spec.busy_poll,
             napi_driven: false,
             stats: BackendStats::default(),
@@ -330,25 +333,30 @@ impl AfXdp {
         }
     }
 
-    /// Puts backlogged RX frames on the fill ring, as many as it has room for.
-    fn refill(&mut self) {
+    /// Puts backlogged RX frames on the fill ring, as many as it has room
+    /// for, and wakes the kernel if it asks; `submitted` more went on just
+    /// before.
+    fn refill(&mut self, submitted: u32) {
         let want = self.fill_backlog.len() as u32;
-        let n = self.xsk.fill.free(want).min(want);
-        if n == 0 {
-            return;
+        let n = if want > 0 { self.xsk.fill.free(want).min(want) } else { 0 };
+        if n > 0 {
+            for (i, &addr) in self.fill_backlog[..n as usize].iter().enumerate() {
+                self.xsk.fill.write(i as u32, addr);
+            }
+            self.xsk.fill.submit(n);
+            self.fill_backlog.drain(..n as usize);
         }
-        for (i, &addr) in self.fill_backlog[..n as usize].iter().enumerate() {
-            self.xsk.fill.write(i as u32, addr);
-        }
-        self.xsk.fill.submit(n);
-        self.fill_backlog.drain(..n as usize);
-        if self.xsk.fill.needs_wakeup() {
+        if submitted + n > 0 && self.xsk.fill.needs_wakeup() {
             self.xsk.kick_rx();
         }
     }
 
     fn kick_tx(&mut self) {
-        self.tx_stalled = !self.xsk.kick_tx();
+        let r = self.xsk.kick_tx();
+        self.tx_stalled = r.is_err();
+        self.tx_retry_soon = r.is_err_and(|e| {
+            matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::EINTR))
+        });
         self.napi_driven = true;
     }
 }
@@ -406,7 +414,7 @@ impl NetBackend for AfXdp {
 
     fn rx_frames(&mut self, max: usize) -> &[FrameBuf] {
         if !self.fill_backlog.is_empty() {
-            self.refill();
+            self.refill(0);
         }
         let max = max.min(BATCH) as u32;
         let mut n = self.xsk.rx.ready(max).min(max);
@@ -425,8 +433,8 @@ impl NetBackend for AfXdp {
                 Some(p) => (p, d.len as usize),
                 None => (self.umem.slice_ptr(self.umem.frame_base(d.addr), 0).unwrap_or(std::ptr::NonNull::dangling()), 0),
             };
-            // SAFETY: an RX descriptor's frame is ours until released to the
-            // fill ring in rx_consume; the device only reads it.
+            // SAFETY: an RX descriptor's frame is ours until put on the fill
+            // ring (rx_consume, or a later refill); the device only reads it.
             unsafe { buf.repoint(ptr, len) };
             buf.len = len;
         }
@@ -443,6 +451,8 @@ impl NetBackend for AfXdp {
         // descriptor kept back would be handed out again. The fill ring
         // takes what it has room for (usually all); the rest waits in the
         // backlog, behind anything already there.
+        // Fill before release, so the kernel never sees RX room before the
+        // frames to receive into.
         let room = if self.fill_backlog.is_empty() { self.xsk.fill.free(n).min(n) } else { 0 };
         for i in 0..n {
             let addr = self.umem.frame_base(self.xsk.rx.read(i).addr);
@@ -452,26 +462,22 @@ impl NetBackend for AfXdp {
                 self.fill_backlog.push(addr);
             }
         }
+        if room > 0 {
+            self.xsk.fill.submit(room);
+        }
         self.xsk.rx.release(n);
         self.rx_lent = 0;
         self.stats.rx_frames += n as u64;
-        if room > 0 {
-            self.xsk.fill.submit(room);
-            if self.xsk.fill.needs_wakeup() {
-                self.xsk.kick_rx();
-            }
-        }
-        if !self.fill_backlog.is_empty() {
-            self.refill();
-        }
+        self.refill(room);
     }
 
     fn retry_deferred(&mut self) -> bool {
         if !self.fill_backlog.is_empty() {
-            self.refill();
+            self.refill(0);
         }
         // Frames on the TX ring whose wake-up failed go out with the next
-        // one: not only when the guest sends again.
+        // one: not only when the guest sends again. A downed interface is
+        // not waited for here; the next batch tries again.
         if self.tx_stalled {
             if self.xsk.tx.needs_wakeup() {
                 self.kick_tx();
@@ -479,7 +485,7 @@ impl NetBackend for AfXdp {
                 self.tx_stalled = false;
             }
         }
-        !self.fill_backlog.is_empty() || self.tx_stalled
+        !self.fill_backlog.is_empty() || (self.tx_stalled && self.tx_retry_soon)
     }
 
     fn rx_fd(&self) -> Option<RawFd> {
@@ -579,6 +585,19 @@ mod tests {
         q.rx_frames(BATCH).iter().map(|f| f.frame()[14]).collect()
     }
 
+    /// Whether the fill ring's consumer word reads `want` within 5 s (the
+    /// kernel stores it just after the RX producer).
+    fn fill_consumer_reaches(q: &AfXdp, want: u32) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while q.xsk.fill.shared_consumer().load(Ordering::Acquire) != want {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
+    }
+
     /// The kernel publishes the RX producer before the fill consumer: a
     /// frame can be on the RX ring while the fill ring still looks full.
     /// Delivered frames must then leave the RX ring anyway (not be lent
@@ -588,17 +607,26 @@ mod tests {
         on_veth(|q, wire| {
             send_frames(wire, 0..3);
             assert_eq!(lend(q, 3), [0, 1, 2]);
-            // Stand in for the kernel between its two publishes: the fill
+            assert!(fill_consumer_reaches(q, 3), "the kernel took three fill entries");
+            // Stand in for the kernel between its two stores: the fill
             // consumer word back by the three frames it took.
-            let cons = q.xsk.fill.shared_consumer();
-            let real = cons.load(Ordering::Acquire);
-            assert_eq!(real, 3, "the kernel took three fill entries");
-            cons.store(real - 3, Ordering::Release);
+            let set_back = |q: &AfXdp, v: u32| q.xsk.fill.shared_consumer().store(v, Ordering::Release);
+            set_back(q, 0);
             q.rx_consume(3);
             assert_eq!(q.rx_frames(BATCH).len(), 0, "delivered frames are not lent again");
             assert!(q.retry_deferred(), "the fill ring still looks full: the frames wait");
-            q.xsk.fill.shared_consumer().store(real, Ordering::Release);
-            assert!(!q.retry_deferred(), "room appeared: the backlog is on the fill ring");
+            // Room for two of the three: one waits, and frames delivered
+            // meanwhile queue behind it.
+            set_back(q, 2);
+            assert!(q.retry_deferred(), "one of three still waits");
+            assert_eq!(q.fill_backlog.len(), 1);
+            send_frames(wire, 3..6);
+            assert_eq!(lend(q, 3), [3, 4, 5]);
+            // The kernel stores its own count (6) when it publishes again.
+            assert!(fill_consumer_reaches(q, 6), "the kernel took three more");
+            q.rx_consume(3);
+            assert!(q.fill_backlog.is_empty(), "room for all four waiting");
+            assert!(!q.retry_deferred());
 
             // Every one of the 64 RX frames is on the fill ring again: a
             // full ring's worth arrives, none dropped for want of a frame.
@@ -612,12 +640,13 @@ mod tests {
                 q.rx_consume(n);
             }
             assert_eq!(got, (10..74).collect::<Vec<u8>>());
-            assert_eq!(q.stats().rx_frames, 67);
+            assert_eq!(q.stats().rx_frames, 70);
         });
     }
 
     /// Frames whose TX wake-up the kernel refused (here: vx0 down) go out
-    /// on a later retry, without the guest sending anything more.
+    /// on a later retry, without the guest sending anything more. A downed
+    /// interface is not a reason to poll soon.
     #[test]
     fn frames_whose_tx_wakeup_failed_go_out_on_retry() {
         on_veth(|q, wire| {
@@ -630,9 +659,11 @@ mod tests {
             }
             q.tx_commit(3);
             assert!(q.tx_stalled, "the wake-up fails while vx0 is down");
-            assert!(q.retry_deferred(), "still down: the frames wait");
+            assert!(!q.retry_deferred(), "a downed interface: no call back soon");
+            assert!(q.tx_stalled, "still down: the frames wait");
             ip(&["link", "set", "vx0", "up"]);
-            assert!(!q.retry_deferred(), "vx0 is up: the retried wake-up sends them");
+            assert!(!q.retry_deferred());
+            assert!(!q.tx_stalled, "vx0 is up: the retried wake-up went through");
             let mut got = Vec::new();
             let deadline = Instant::now() + Duration::from_secs(5);
             while got.len() < 3 && Instant::now() < deadline {

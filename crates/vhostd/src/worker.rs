@@ -284,12 +284,12 @@ const WAKE_TOKEN: u64 = u64::MAX;
 const BACKEND_TOKEN: u64 = u64::MAX - 1;
 /// Most `pause` instructions between two polls of idle rings (about a microsecond).
 const MAX_BACKOFF: u32 = 32;
-/// Idle passes with TX blocked (or backend work deferred) before the worker
-/// sleeps between looks (a backend's completions normally arrive within
-/// microseconds; a downed interface must not cost a spinning CPU).
+/// Idle passes with TX blocked before the worker sleeps between looks (a
+/// backend's completions normally arrive within microseconds; a downed
+/// interface must not cost a spinning CPU).
 const BLOCKED_SPINS: u32 = 4096;
-/// How long a worker with TX blocked (or backend work deferred) sleeps
-/// between looks, in milliseconds.
+/// How long a worker with TX blocked sleeps between looks, and the longest
+/// an idle one with backend work deferred sleeps, in milliseconds.
 const BLOCKED_SLEEP_MS: i32 = 1;
 
 /// Starts the worker thread of queue pair `pair`, pinned to `cpu` if given.
@@ -402,17 +402,19 @@ impl Worker {
                 self.busy_iters += 1;
                 backoff = 1;
                 idle_run = 0;
+                self.blocked_passes = 0;
                 continue;
             }
             self.idle_iters += 1;
+            // Work the backend put off (AF_XDP: fill-ring room, a refused TX
+            // wake-up) sends no event when it can go on: look again, and
+            // sleep only briefly while some remains.
             let deferred = match &mut self.engine {
                 Engine::Net(backend) => backend.retry_deferred(),
                 Engine::Blk { .. } => false,
             };
-            // Polling looks again anyway.
-            if self.tx_blocked || (deferred && self.mode != Mode::Poll) {
-                // Only the backend can unblock TX, or finish what it put
-                // off: no kick or event would say so.
+            if self.tx_blocked {
+                // Only the backend can unblock TX: no kick would say so.
                 self.blocked_passes += 1;
                 if self.blocked_passes < BLOCKED_SPINS {
                     std::hint::spin_loop();
@@ -461,7 +463,7 @@ impl Worker {
                 self.disable_notifications();
                 continue;
             }
-            self.sleep(-1);
+            self.sleep(if deferred { BLOCKED_SLEEP_MS } else { -1 });
             self.disable_notifications();
         }
         self.report()

@@ -1071,7 +1071,8 @@ fn vring_base_after_requests_finish(packed: bool) {
         let mut seen = [false; N as usize];
         let mut check = |c: &blk::BlkCompletion, done: &mut u64| {
             assert_eq!((c.status, c.used_len), (status::OK, 1), "request {}", c.user);
-            assert!(c.user < N && !std::mem::replace(&mut seen[c.user as usize], true), "request {} completed twice", c.user);
+            assert!(c.user < N, "request {}: not one of ours", c.user);
+            assert!(!std::mem::replace(&mut seen[c.user as usize], true), "request {} completed twice", c.user);
             *done += 1;
         };
         assert!(wait_until(T, || {

@@ -148,7 +148,7 @@ impl<T: Copy> ProdRing<T> {
 
     /// The kernel's consumer word: for tests that stand in for a kernel
     /// which has not yet published what it consumed.
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn shared_consumer(&self) -> &AtomicU32 {
         // SAFETY: an aligned u32 inside the mapping, which lives as long as self.
         unsafe { &*self.map.consumer }

@@ -192,14 +192,17 @@ impl Xsk {
         self.zero_copy
     }
 
-    /// Asks the kernel to send what is on the TX ring. Returns false when
-    /// it could not now (busy, no buffers, interface down): the frames stay
-    /// on the ring for the next kick.
+    /// Asks the kernel to send what is on the TX ring. An error says it
+    /// could not now (busy, no buffers, interface down): the frames stay on
+    /// the ring for the next kick.
     #[inline]
-    pub fn kick_tx(&self) -> bool {
+    pub fn kick_tx(&self) -> io::Result<()> {
         // SAFETY: a zero-length send with no buffer only wakes the socket.
         let r = unsafe { libc::sendto(self.fd.as_raw_fd(), std::ptr::null(), 0, libc::MSG_DONTWAIT, std::ptr::null(), 0) };
-        r >= 0
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     /// Wakes the kernel to refill from the fill ring (or, busy polling, to
