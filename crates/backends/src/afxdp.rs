@@ -450,9 +450,8 @@ impl NetBackend for AfXdp {
         // All n leave the RX ring now: they were delivered, and an RX
         // descriptor kept back would be handed out again. The fill ring
         // takes what it has room for (usually all); the rest waits in the
-        // backlog, behind anything already there.
-        // Fill before release, so the kernel never sees RX room before the
-        // frames to receive into.
+        // backlog, behind anything already there. Fill before release, so
+        // the kernel never sees RX room before frames to receive into.
         let room = if self.fill_backlog.is_empty() { self.xsk.fill.free(n).min(n) } else { 0 };
         for i in 0..n {
             let addr = self.umem.frame_base(self.xsk.rx.read(i).addr);
@@ -476,8 +475,8 @@ impl NetBackend for AfXdp {
             self.refill(0);
         }
         // Frames on the TX ring whose wake-up failed go out with the next
-        // one: not only when the guest sends again. A downed interface is
-        // not waited for here; the next batch tries again.
+        // one: not only when the guest sends again. A downed interface asks
+        // for no early call back; the next batch or idle pass tries again.
         if self.tx_stalled {
             if self.xsk.tx.needs_wakeup() {
                 self.kick_tx();
