@@ -359,13 +359,23 @@ impl AfXdp {
         });
         self.napi_driven = true;
     }
+
+    /// Retries a failed TX wake-up; a kernel that no longer asks for one
+    /// takes the frames on its own.
+    fn retry_tx_wakeup(&mut self) {
+        if self.xsk.tx.needs_wakeup() {
+            self.kick_tx();
+        } else {
+            self.tx_stalled = false;
+        }
+    }
 }
 
 impl NetBackend for AfXdp {
     fn tx_buffers(&mut self, want: usize) -> &mut [FrameBuf] {
         self.reap_completions();
-        if self.tx_stalled && self.xsk.tx.needs_wakeup() {
-            self.kick_tx();
+        if self.tx_stalled {
+            self.retry_tx_wakeup();
         }
         let n = want.min(BATCH).min(self.free.len()).min(self.xsk.tx.free(want as u32) as usize);
         let start = self.free.len() - n;
@@ -478,11 +488,7 @@ impl NetBackend for AfXdp {
         // one: not only when the guest sends again. A downed interface asks
         // for no early call back; the next batch or idle pass tries again.
         if self.tx_stalled {
-            if self.xsk.tx.needs_wakeup() {
-                self.kick_tx();
-            } else {
-                self.tx_stalled = false;
-            }
+            self.retry_tx_wakeup();
         }
         !self.fill_backlog.is_empty() || (self.tx_stalled && self.tx_retry_soon)
     }
