@@ -30,7 +30,8 @@ use vhostd_fuzz::{packed_layout, packed_linear, split_layout, Guest, Reader};
 use virtq::ring::*;
 use virtq::{AddrSpace, Batch, PackedConfig, PackedQueue, Queue, SplitConfig, SplitQueue};
 
-const TYPES: [u32; 8] = [types::IN, types::OUT, types::FLUSH, types::GET_ID, types::DISCARD, types::WRITE_ZEROES, 2, 0xffff_ffff];
+const TYPES: [u32; 8] =
+    [types::IN, types::OUT, types::FLUSH, types::GET_ID, types::DISCARD, types::WRITE_ZEROES, 2, 0xffff_ffff];
 
 fn lag(q: &Queue, size: u16) -> u32 {
     match q {
@@ -48,7 +49,14 @@ fn inflight_map(qsize: u16, bytes: &[u8]) -> Arc<InflightMap> {
     let len = vhostd_blk::inflight::region_size(qsize);
     // SAFETY: a fresh anonymous shared mapping; checked below.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
     };
     assert_ne!(p, libc::MAP_FAILED);
     let n = bytes.len().min(len);
@@ -102,7 +110,8 @@ fuzz_target!(|data: &[u8]| {
         (desc, avail, Queue::Split(q))
     };
 
-    let (mut disk, mut backends) = vhostd_block_backends::open(&BlockSpec::Null { size: capacity }, 1, bdepth).expect("null backend");
+    let (mut disk, mut backends) =
+        vhostd_block_backends::open(&BlockSpec::Null { size: capacity }, 1, bdepth).expect("null backend");
     disk.read_only = db & 4 != 0;
     disk.discard = db & 8 == 0;
     disk.write_zeroes = db & 16 == 0;
@@ -208,7 +217,9 @@ fuzz_target!(|data: &[u8]| {
         let l = lag(&q, size);
         // A split ring broken by a head past the queue consumed that avail
         // entry without a used element (it may have broken any time).
-        let ok = l == lag0 || (!packed && q.is_broken() && l == (lag0 + 1) & 0xffff) || (broken0 && l == (lag0 + 1) & 0xffff);
+        let ok = l == lag0
+            || (!packed && q.is_broken() && l == (lag0 + 1) & 0xffff)
+            || (broken0 && l == (lag0 + 1) & 0xffff);
         assert!(ok, "chains taken but never used: lag {l}, at set-up {lag0}");
     }
 });

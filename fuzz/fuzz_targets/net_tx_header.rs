@@ -44,7 +44,13 @@ struct Ring {
 }
 
 impl Ring {
-    fn new(mem: &std::sync::Arc<virtq::GuestMemory>, base: u64, packed: bool, size: u16, feats: u64) -> Option<(Ring, u64)> {
+    fn new(
+        mem: &std::sync::Arc<virtq::GuestMemory>,
+        base: u64,
+        packed: bool,
+        size: u16,
+        feats: u64,
+    ) -> Option<(Ring, u64)> {
         if packed {
             let (desc, driver, device, end) = packed_layout(base, size);
             let cfg = PackedConfig { size, desc, driver, device, features: feats, base: virtq::PACKED_BASE_INITIAL };
@@ -79,7 +85,8 @@ impl Ring {
         let lag = self.lag();
         // A split ring broken by a head past the queue consumed that entry
         // without a used element.
-        let broke_on_head = !self.packed && !broken_before && self.q.is_broken() && lag == self.lag0.wrapping_add(1) & 0xffff;
+        let broke_on_head =
+            !self.packed && !broken_before && self.q.is_broken() && lag == self.lag0.wrapping_add(1) & 0xffff;
         if broke_on_head {
             self.lag0 = lag;
         }

@@ -66,7 +66,8 @@ impl Run {
     /// Slots from used position `a` to `b`.
     fn dist(&self, a: (u16, bool), b: (u16, bool)) -> u32 {
         let m = 2 * self.size as u32;
-        (packed_linear(b.0 | (b.1 as u16) << 15, self.size) + m - packed_linear(a.0 | (a.1 as u16) << 15, self.size)) % m
+        (packed_linear(b.0 | (b.1 as u16) << 15, self.size) + m - packed_linear(a.0 | (a.1 as u16) << 15, self.size))
+            % m
     }
 
     fn lag(&self) -> u32 {
@@ -252,7 +253,8 @@ fuzz_target!(|data: &[u8]| {
     } else {
         (AddrSpace::GuestPhysical, 0)
     };
-    let cfg = PackedConfig { size, desc: desc + off, driver: driver + off, device: device + off, features: feats, base };
+    let cfg =
+        PackedConfig { size, desc: desc + off, driver: driver + off, device: device + off, features: feats, base };
     let Ok(q) = PackedQueue::new(mem.clone(), cfg, space) else { return };
     let mut run = Run {
         q,

@@ -207,7 +207,6 @@ fn parse<'a>(r: &mut Reader<'a>) -> Vec<Action<'a>> {
     actions
 }
 
-
 fuzz_target!(|data: &[u8]| {
     let devs = devices();
     let mut r = Reader::new(data);
@@ -266,7 +265,9 @@ fuzz_target!(|data: &[u8]| {
             for w in &d.workers {
                 let r = w.report();
                 for (i, ring) in r.rings.iter().enumerate() {
-                    if ring.queue.chains + ring.queue.bad_chains + ring.dir.packets + ring.blk.reads + ring.blk.writes > 0 {
+                    if ring.queue.chains + ring.queue.bad_chains + ring.dir.packets + ring.blk.reads + ring.blk.writes
+                        > 0
+                    {
                         eprintln!("{name} worker {} ring {i}: {:?} {:?} {:?}", r.pair, ring.dir, ring.queue, ring.blk);
                     }
                 }

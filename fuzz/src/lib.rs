@@ -54,22 +54,18 @@ impl Guest {
         let map = Mapping::anonymous(TOTAL_PAGES * PAGE).expect("anonymous mapping");
         for page in [0, 9, 14] {
             // SAFETY: a page inside our own mapping; nothing maps it again.
-            let r = unsafe {
-                libc::mprotect(map.as_ptr().add(page * PAGE) as *mut libc::c_void, PAGE, libc::PROT_NONE)
-            };
+            let r =
+                unsafe { libc::mprotect(map.as_ptr().add(page * PAGE) as *mut libc::c_void, PAGE, libc::PROT_NONE) };
             assert_eq!(r, 0, "mprotect guard page");
         }
-        let r0 = |gpa: u64| Region::new(gpa, R0_LEN as u64, UADDR_BASE + gpa, map.clone(), (R0_PAGE * PAGE) as u64).unwrap();
-        let r1 = |gpa: u64| Region::new(gpa, R1_LEN as u64, UADDR_BASE + gpa, map.clone(), (R1_PAGE * PAGE) as u64).unwrap();
-        let tables = vec![
-            vec![r0(0)],
-            vec![r0(0), r1(0x8000)],
-            vec![r0(0), r1(0x10000)],
-            vec![r1(0), r0(0x4000)],
-        ]
-        .into_iter()
-        .map(|regions| Arc::new(GuestMemory::from_regions(regions).expect("memory table")))
-        .collect();
+        let r0 =
+            |gpa: u64| Region::new(gpa, R0_LEN as u64, UADDR_BASE + gpa, map.clone(), (R0_PAGE * PAGE) as u64).unwrap();
+        let r1 =
+            |gpa: u64| Region::new(gpa, R1_LEN as u64, UADDR_BASE + gpa, map.clone(), (R1_PAGE * PAGE) as u64).unwrap();
+        let tables = vec![vec![r0(0)], vec![r0(0), r1(0x8000)], vec![r0(0), r1(0x10000)], vec![r1(0), r0(0x4000)]]
+            .into_iter()
+            .map(|regions| Arc::new(GuestMemory::from_regions(regions).expect("memory table")))
+            .collect();
         Guest { map, tables }
     }
 
@@ -280,4 +276,3 @@ pub fn packed_linear(half: u16, size: u16) -> u32 {
     let wrap = half & 0x8000 != 0;
     idx + if wrap { 0 } else { size as u32 }
 }
-

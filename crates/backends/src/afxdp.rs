@@ -71,7 +71,9 @@ impl AfXdpSpec {
         self.check_options()?;
         if let Some(q) = self.queues {
             if q as usize != pairs {
-                return Err(format!("queues={q} but --queues {pairs}: one socket per queue pair, give the same number"));
+                return Err(format!(
+                    "queues={q} but --queues {pairs}: one socket per queue pair, give the same number"
+                ));
             }
         }
         if !self.sock_fds.is_empty() && self.sock_fds.len() != pairs {
@@ -90,13 +92,18 @@ impl AfXdpSpec {
             return Err("sock-fds, xsks-map-fd and map-path need inhibit=on (vhostd loads no program then)".into());
         }
         if self.inhibit && !has_map && self.sock_fds.is_empty() {
-            return Err("inhibit=on needs sock-fds=, xsks-map-fd= or map-path= (who else steers frames to our sockets?)".into());
+            return Err(
+                "inhibit=on needs sock-fds=, xsks-map-fd= or map-path= (who else steers frames to our sockets?)".into(),
+            );
         }
         if self.xsks_map_fd.is_some() && self.map_path.is_some() {
             return Err("xsks-map-fd and map-path both name a map: give one".into());
         }
         if !self.sock_fds.is_empty() && self.map_path.is_some() {
-            return Err("sock-fds and map-path exclude each other (as in QEMU): sockets passed in are already in their map".into());
+            return Err(
+                "sock-fds and map-path exclude each other (as in QEMU): sockets passed in are already in their map"
+                    .into(),
+            );
         }
         if self.map_start_index != 0 && !has_map {
             return Err("map-start-index needs xsks-map-fd= or map-path=".into());
@@ -200,7 +207,9 @@ pub fn open(spec: &AfXdpSpec, pairs: usize) -> io::Result<(Vec<AfXdp>, AfXdpCont
     let (map, first_slot, link, mode) = if spec.inhibit {
         let map = match (&spec.map_path, spec.xsks_map_fd) {
             (Some(p), _) => Some(XskMap::open_pinned(p).map_err(|e| with(e, "map-path"))?),
-            (None, Some(fd)) => Some(XskMap::adopt(adopt_fd(fd, "xsks-map-fd")?).map_err(|e| with(e, &format!("xsks-map-fd={fd}")))?),
+            (None, Some(fd)) => {
+                Some(XskMap::adopt(adopt_fd(fd, "xsks-map-fd")?).map_err(|e| with(e, &format!("xsks-map-fd={fd}")))?)
+            }
             (None, None) => None,
         };
         (map, spec.map_start_index, None, None)
@@ -215,10 +224,7 @@ pub fn open(spec: &AfXdpSpec, pairs: usize) -> io::Result<(Vec<AfXdp>, AfXdpCont
     if let Some(m) = &map {
         let last = first_slot as u64 + pairs as u64 - 1;
         if last >= m.entries() as u64 {
-            return Err(bad(format!(
-                "map slots {first_slot}..{last} but the XSKMAP has {} entries",
-                m.entries()
-            )));
+            return Err(bad(format!("map slots {first_slot}..{last} but the XSKMAP has {} entries", m.entries())));
         }
     }
     let mut sockets = Vec::with_capacity(pairs);
@@ -228,7 +234,8 @@ pub fn open(spec: &AfXdpSpec, pairs: usize) -> io::Result<(Vec<AfXdp>, AfXdpCont
             Some(fd) => fd,
             None => Xsk::socket().map_err(|e| bad(e.to_string()))?,
         };
-        let q = AfXdp::new(fd, ifindex, queues.start + i, spec).map_err(|e| with(e, &format!("{name} queue {}", queues.start + i)))?;
+        let q = AfXdp::new(fd, ifindex, queues.start + i, spec)
+            .map_err(|e| with(e, &format!("{name} queue {}", queues.start + i)))?;
         if let Some(m) = &map {
             m.insert(first_slot + i, q.xsk.fd()).map_err(|e| with(e, name))?;
         }
@@ -354,9 +361,8 @@ impl AfXdp {
     fn kick_tx(&mut self) {
         let r = self.xsk.kick_tx();
         self.tx_stalled = r.is_err();
-        self.tx_retry_soon = r.is_err_and(|e| {
-            matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::EINTR))
-        });
+        self.tx_retry_soon = r
+            .is_err_and(|e| matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::EINTR)));
         self.napi_driven = true;
     }
 
@@ -441,7 +447,9 @@ impl NetBackend for AfXdp {
             // bad descriptor becomes an empty frame, not a wild read.
             let (ptr, len) = match self.umem.slice_ptr(d.addr, d.len as usize) {
                 Some(p) => (p, d.len as usize),
-                None => (self.umem.slice_ptr(self.umem.frame_base(d.addr), 0).unwrap_or(std::ptr::NonNull::dangling()), 0),
+                None => {
+                    (self.umem.slice_ptr(self.umem.frame_base(d.addr), 0).unwrap_or(std::ptr::NonNull::dangling()), 0)
+                }
             };
             // SAFETY: an RX descriptor's frame is ours until put on the fill
             // ring (rx_consume, or a later refill); the device only reads it.
@@ -556,7 +564,11 @@ mod tests {
             sll.sll_family = libc::AF_PACKET as u16;
             sll.sll_protocol = ETH_P_TEST.to_be();
             sll.sll_ifindex = xsk::ifindex(ifname).unwrap() as i32;
-            let r = libc::bind(fd.as_raw_fd(), &sll as *const _ as *const libc::sockaddr, std::mem::size_of_val(&sll) as u32);
+            let r = libc::bind(
+                fd.as_raw_fd(),
+                &sll as *const _ as *const libc::sockaddr,
+                std::mem::size_of_val(&sll) as u32,
+            );
             assert_eq!(r, 0, "bind: {}", io::Error::last_os_error());
             fd
         }

@@ -16,10 +16,10 @@ mod tap;
 pub use afxdp::{AfXdp, AfXdpControl, AfXdpSpec};
 pub use link::Link;
 pub use loopback::Loopback;
-pub use xsk::bpf::XdpMode;
 pub use sink::Sink;
 pub use source::Source;
 pub use tap::{Offloads, Tap, TapControl, TapSpec};
+pub use xsk::bpf::XdpMode;
 
 /// Largest frame a host buffer holds (a 64 KiB GSO frame plus an Ethernet header).
 pub const FRAME_ROOM: usize = 65536 + 14;

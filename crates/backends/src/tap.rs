@@ -169,7 +169,9 @@ fn adopt_queue(fd: RawFd) -> io::Result<(OwnedFd, String, bool)> {
     }
     let mut ifr = IfReq::new("", 0);
     if ioctl_ifreq(fd, libc::TUNGETIFF, &mut ifr).is_err() {
-        return Err(bad(format!("{what}: descriptor {fd} is not an attached TAP queue (open /dev/net/tun and TUNSETIFF first)")));
+        return Err(bad(format!(
+            "{what}: descriptor {fd} is not an attached TAP queue (open /dev/net/tun and TUNSETIFF first)"
+        )));
     }
     let flags = ifr.flags as libc::c_int;
     let name = ifr.name();
@@ -177,7 +179,9 @@ fn adopt_queue(fd: RawFd) -> io::Result<(OwnedFd, String, bool)> {
         return Err(bad(format!("{what}: {name} is a TUN (layer 3) device; a virtio-net device needs a TAP")));
     }
     if flags & libc::IFF_NO_PI == 0 {
-        return Err(bad(format!("{what}: TAP {name} was opened without IFF_NO_PI (packet information headers are not supported)")));
+        return Err(bad(format!(
+            "{what}: TAP {name} was opened without IFF_NO_PI (packet information headers are not supported)"
+        )));
     }
     // SAFETY: the descriptor is open (checked above) and from now on ours:
     // the caller handed it over on the command line.

@@ -315,7 +315,13 @@ impl BlkQueue {
     /// split layout only), after resubmitting the ones a previous backend
     /// left there: the ring resumes after every chain taken so far (used
     /// entries + those in flight). Returns the requests resubmitted.
-    pub fn attach_inflight(&mut self, mut log: InflightLog, q: &mut Queue, batch: &mut Batch, dev: &BlkDevice) -> usize {
+    pub fn attach_inflight(
+        &mut self,
+        mut log: InflightLog,
+        q: &mut Queue,
+        batch: &mut Batch,
+        dev: &BlkDevice,
+    ) -> usize {
         let Queue::Split(sq) = q else {
             // The packed layout of the log is not implemented: no tracking.
             return 0;
@@ -439,7 +445,11 @@ impl BlkQueue {
                 unsafe { std::ptr::write_volatile(p, slot.status) };
             }
             let used = if slot.status_at.is_some() {
-                if slot.status == status::OK { slot.used_len } else { 1 }
+                if slot.status == status::OK {
+                    slot.used_len
+                } else {
+                    1
+                }
             } else {
                 0
             };
@@ -684,7 +694,8 @@ mod tests {
 
     #[test]
     fn config_layout() {
-        let disk = DiskInfo { capacity: 1 << 20, read_only: false, block_size: 4096, discard: true, write_zeroes: true };
+        let disk =
+            DiskInfo { capacity: 1 << 20, read_only: false, block_size: 4096, discard: true, write_zeroes: true };
         let dev = BlkDevice::new(disk, 2, "vhostd-test");
         let c = dev.config();
         assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 2048);

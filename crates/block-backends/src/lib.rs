@@ -157,9 +157,12 @@ pub enum BlockSpec {
 pub fn open(spec: &BlockSpec, queues: usize, depth: usize) -> std::io::Result<(DiskInfo, Vec<Box<dyn BlockBackend>>)> {
     match spec {
         BlockSpec::Null { size } => {
-            let info = DiskInfo { capacity: *size, read_only: false, block_size: 512, discard: true, write_zeroes: true };
+            let info =
+                DiskInfo { capacity: *size, read_only: false, block_size: 512, discard: true, write_zeroes: true };
             Ok((info, (0..queues).map(|_| Box::new(NullBackend::new(depth)) as Box<dyn BlockBackend>).collect()))
         }
-        BlockSpec::File { path, readonly, direct, discard } => file::open(path, *readonly, *direct, *discard, queues, depth),
+        BlockSpec::File { path, readonly, direct, discard } => {
+            file::open(path, *readonly, *direct, *discard, queues, depth)
+        }
     }
 }

@@ -730,7 +730,10 @@ mod tests {
         assert_eq!(offload_features(Offloads::default()), 0);
         let tso = Offloads { csum: true, tso4: true, tso6: true, ecn: true, ..Default::default() };
         let f = offload_features(tso);
-        assert_eq!(f & (CSUM | GUEST_CSUM | HOST_TSO4 | GUEST_TSO6 | HOST_ECN), CSUM | GUEST_CSUM | HOST_TSO4 | GUEST_TSO6 | HOST_ECN);
+        assert_eq!(
+            f & (CSUM | GUEST_CSUM | HOST_TSO4 | GUEST_TSO6 | HOST_ECN),
+            CSUM | GUEST_CSUM | HOST_TSO4 | GUEST_TSO6 | HOST_ECN
+        );
         assert_eq!(f & (HOST_UFO | GUEST_UFO | HOST_USO | GUEST_USO4), 0);
         assert_eq!(guest_offloads(f & GUEST_OFFLOADS), tso);
     }

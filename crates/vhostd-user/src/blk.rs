@@ -140,11 +140,7 @@ impl BlkConfig {
             capacity: u64::from_le_bytes(cap),
             size_max: u32_at(8),
             seg_max: u32_at(12),
-            geometry: Geometry {
-                cylinders: u16_at(16),
-                heads: b[18],
-                sectors: b[19],
-            },
+            geometry: Geometry { cylinders: u16_at(16), heads: b[18], sectors: b[19] },
             blk_size: u32_at(20),
             physical_block_exp: b[24],
             alignment_offset: b[25],
@@ -260,24 +256,9 @@ impl BlkOp {
             BlkOp::GetId => (types::GET_ID, 0, Data::In(ID_LEN as u32)),
             BlkOp::Discard { .. } => (types::DISCARD, 0, Data::Range),
             BlkOp::WriteZeroes { .. } => (types::WRITE_ZEROES, 0, Data::Range),
-            BlkOp::Other {
-                req_type,
-                sector,
-                len: 0,
-                ..
-            } => (req_type, sector, Data::None),
-            BlkOp::Other {
-                req_type,
-                sector,
-                len,
-                writable: true,
-            } => (req_type, sector, Data::In(len)),
-            BlkOp::Other {
-                req_type,
-                sector,
-                len,
-                writable: false,
-            } => (req_type, sector, Data::Out(len)),
+            BlkOp::Other { req_type, sector, len: 0, .. } => (req_type, sector, Data::None),
+            BlkOp::Other { req_type, sector, len, writable: true } => (req_type, sector, Data::In(len)),
+            BlkOp::Other { req_type, sector, len, writable: false } => (req_type, sector, Data::Out(len)),
         }
     }
 
@@ -340,12 +321,7 @@ impl BlkCompletion {
     /// What went wrong, if anything (for messages).
     pub fn problem(&self) -> Option<String> {
         if self.status != status::OK {
-            return Some(format!(
-                "type {} sector {}: status {}",
-                self.req_type,
-                self.sector,
-                status_name(self.status)
-            ));
+            return Some(format!("type {} sector {}: status {}", self.req_type, self.sector, status_name(self.status)));
         }
         if !self.len_ok() {
             return Some(format!(
@@ -459,15 +435,10 @@ impl VirtioUser {
         size: Option<u16>,
     ) -> Result<BlkQueue, Error> {
         if self.opts.device != DeviceType::Blk {
-            return Err(Error::Config(
-                "not a blk connection (use Options::blk)".into(),
-            ));
+            return Err(Error::Config("not a blk connection (use Options::blk)".into()));
         }
         if index as u64 >= self.max_queues {
-            return Err(Error::Unsupported(format!(
-                "request queue {index} (backend has {} queues)",
-                self.max_queues
-            )));
+            return Err(Error::Unsupported(format!("request queue {index} (backend has {} queues)", self.max_queues)));
         }
         if depth == 0 {
             return Err(Error::Config("queue depth must not be zero".into()));
@@ -475,11 +446,8 @@ impl VirtioUser {
         let max_data = max_data.max(ID_LEN as u32);
         let cfg = self.blk_config.unwrap_or_default();
         let f = self.features;
-        let seg_size = if f & features::BLK_SIZE_MAX != 0 && cfg.size_max >= 512 {
-            cfg.size_max.min(max_data)
-        } else {
-            max_data
-        };
+        let seg_size =
+            if f & features::BLK_SIZE_MAX != 0 && cfg.size_max >= 512 { cfg.size_max.min(max_data) } else { max_data };
         let segs = max_data.div_ceil(seg_size);
         if f & features::BLK_SEG_MAX != 0 && cfg.seg_max != 0 && segs > cfg.seg_max {
             return Err(Error::Unsupported(format!(
@@ -510,12 +478,8 @@ impl VirtioUser {
         let queue = self.create_queue(index as usize, size, None)?;
         let mem = queue.ring.memory();
         let outside = || Error::Config("blk buffers outside guest memory".into());
-        let ctrl = mem
-            .host(ctrl_gpa, depth as u64 * CTRL_STRIDE)
-            .ok_or_else(outside)?;
-        let data = mem
-            .host(data_gpa, depth as u64 * stride)
-            .ok_or_else(outside)?;
+        let ctrl = mem.host(ctrl_gpa, depth as u64 * CTRL_STRIDE).ok_or_else(outside)?;
+        let data = mem.host(data_gpa, depth as u64 * stride).ok_or_else(outside)?;
         let now = Instant::now();
         let slots = (0..depth)
             .map(|_| Slot {
@@ -610,22 +574,14 @@ impl BlkQueue {
     /// poison the buffer). Visible to the device after `flush`. Ok(false)
     /// when every slot is in flight; `user` comes back in the completion.
     #[inline]
-    pub fn submit(
-        &mut self,
-        op: BlkOp,
-        user: u64,
-        fill: impl FnOnce(&mut [u8]),
-    ) -> Result<bool, Error> {
+    pub fn submit(&mut self, op: BlkOp, user: u64, fill: impl FnOnce(&mut [u8])) -> Result<bool, Error> {
         let (req_type, sector, data) = op.parts();
         let data_len = match data {
             Data::In(n) | Data::Out(n) => n,
             Data::None | Data::Range => 0,
         };
         if data_len > self.max_data {
-            return Err(Error::Config(format!(
-                "{data_len} data bytes exceed the queue's {}",
-                self.max_data
-            )));
+            return Err(Error::Config(format!("{data_len} data bytes exceed the queue's {}", self.max_data)));
         }
         let Some(&slot) = self.free.last() else {
             return Ok(false);
@@ -636,22 +592,8 @@ impl BlkQueue {
         unsafe {
             std::ptr::copy_nonoverlapping(header(req_type, sector).as_ptr(), p, HEADER_LEN);
             *p.add(CTRL_STATUS as usize) = STATUS_NOT_WRITTEN;
-            if let BlkOp::Discard {
-                sector,
-                sectors,
-                flags,
-            }
-            | BlkOp::WriteZeroes {
-                sector,
-                sectors,
-                flags,
-            } = op
-            {
-                std::ptr::copy_nonoverlapping(
-                    range(sector, sectors, flags).as_ptr(),
-                    p.add(CTRL_RANGE as usize),
-                    16,
-                );
+            if let BlkOp::Discard { sector, sectors, flags } | BlkOp::WriteZeroes { sector, sectors, flags } = op {
+                std::ptr::copy_nonoverlapping(range(sector, sectors, flags).as_ptr(), p.add(CTRL_RANGE as usize), 16);
             }
         }
         // SAFETY: data_len <= max_data <= stride: the slot's own data area,
@@ -689,25 +631,16 @@ impl BlkQueue {
     fn build_typed(&mut self, slot: u16, data: Data) -> Result<u16, Error> {
         let ctrl = self.ctrl_gpa + slot as u64 * CTRL_STRIDE;
         let dgpa = self.data_gpa + slot as u64 * self.stride as u64;
-        let (seg, mut r, mut w) = (
-            self.seg_size,
-            std::mem::take(&mut self.readable),
-            std::mem::take(&mut self.writable),
-        );
+        let (seg, mut r, mut w) =
+            (self.seg_size, std::mem::take(&mut self.readable), std::mem::take(&mut self.writable));
         r.clear();
         w.clear();
-        r.push(Buf {
-            addr: ctrl,
-            len: HEADER_LEN as u32,
-        });
+        r.push(Buf { addr: ctrl, len: HEADER_LEN as u32 });
         let split = |v: &mut Vec<Buf>, len: u32| {
             let mut off = 0;
             while off < len {
                 let n = seg.min(len - off);
-                v.push(Buf {
-                    addr: dgpa + off as u64,
-                    len: n,
-                });
+                v.push(Buf { addr: dgpa + off as u64, len: n });
                 off += n;
             }
         };
@@ -715,15 +648,9 @@ impl BlkQueue {
             Data::None => {}
             Data::Out(n) => split(&mut r, n),
             Data::In(n) => split(&mut w, n),
-            Data::Range => r.push(Buf {
-                addr: ctrl + CTRL_RANGE,
-                len: 16,
-            }),
+            Data::Range => r.push(Buf { addr: ctrl + CTRL_RANGE, len: 16 }),
         }
-        w.push(Buf {
-            addr: ctrl + CTRL_STATUS,
-            len: 1,
-        });
+        w.push(Buf { addr: ctrl + CTRL_STATUS, len: 1 });
         let res = self.queue.ring.prepare(&r, &w, slot as u64);
         self.readable = r;
         self.writable = w;
@@ -742,9 +669,7 @@ impl BlkQueue {
         for s in segs {
             match s {
                 RawSeg::Readable(_) if seen_writable => {
-                    return Err(Error::Config(
-                        "raw chains put readable buffers before writable ones".into(),
-                    ));
+                    return Err(Error::Config("raw chains put readable buffers before writable ones".into()));
                 }
                 RawSeg::Readable(b) => total += b.len() as u64,
                 RawSeg::Writable(n) => {
@@ -768,10 +693,7 @@ impl BlkQueue {
         }
         let dgpa = self.data_gpa + slot as u64 * self.stride as u64;
         let base = self.data_ptr(slot);
-        let (mut r, mut w) = (
-            std::mem::take(&mut self.readable),
-            std::mem::take(&mut self.writable),
-        );
+        let (mut r, mut w) = (std::mem::take(&mut self.readable), std::mem::take(&mut self.writable));
         r.clear();
         w.clear();
         let mut off = 0u32;
@@ -785,29 +707,15 @@ impl BlkQueue {
                     }
                     // SAFETY: off + len <= total <= stride: inside the
                     // slot's data area, which is not in flight.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(off as usize), b.len())
-                    };
-                    r.push(Buf {
-                        addr: dgpa + off as u64,
-                        len: b.len() as u32,
-                    });
+                    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(off as usize), b.len()) };
+                    r.push(Buf { addr: dgpa + off as u64, len: b.len() as u32 });
                     off += b.len() as u32;
                 }
                 RawSeg::Writable(n) => {
                     writable_at.get_or_insert(off);
                     // SAFETY: as above.
-                    unsafe {
-                        std::ptr::write_bytes(
-                            base.add(off as usize),
-                            STATUS_NOT_WRITTEN,
-                            n as usize,
-                        )
-                    };
-                    w.push(Buf {
-                        addr: dgpa + off as u64,
-                        len: n,
-                    });
+                    unsafe { std::ptr::write_bytes(base.add(off as usize), STATUS_NOT_WRITTEN, n as usize) };
+                    w.push(Buf { addr: dgpa + off as u64, len: n });
                     off += n;
                 }
             }
@@ -878,9 +786,7 @@ impl BlkQueue {
                 writable_len: s.writable_len,
                 status: STATUS_NOT_WRITTEN,
                 used_len: u.len,
-                latency: now
-                    .map(|t| t.saturating_duration_since(s.submitted))
-                    .unwrap_or_default(),
+                latency: now.map(|t| t.saturating_duration_since(s.submitted)).unwrap_or_default(),
                 raw: s.raw_writable_at.is_some(),
             };
             let base = self.data_ptr(slot);
@@ -896,9 +802,7 @@ impl BlkQueue {
             // SAFETY: data_off + data_len <= stride: the slot's data area.
             // The device returned the chain; one that writes it anyway can
             // only change bytes (any value is a valid u8).
-            let data = unsafe {
-                std::slice::from_raw_parts(base.add(data_off as usize), c.data_len as usize)
-            };
+            let data = unsafe { std::slice::from_raw_parts(base.add(data_off as usize), c.data_len as usize) };
             f(&BlkCompletion { status, ..c }, data);
             self.free.push(slot);
         }
@@ -920,12 +824,7 @@ impl BlkQueue {
     /// Runs one request synchronously (nothing else may be in flight):
     /// `write_data` goes at the start of the data area (the rest zeroed);
     /// waits up to `timeout`. On a timeout the slot stays in flight.
-    pub fn request(
-        &mut self,
-        op: BlkOp,
-        write_data: &[u8],
-        timeout: Duration,
-    ) -> Result<BlkReply, Error> {
+    pub fn request(&mut self, op: BlkOp, write_data: &[u8], timeout: Duration) -> Result<BlkReply, Error> {
         self.sync(timeout, |q| {
             q.submit(op, 0, |buf| {
                 let n = write_data.len().min(buf.len());
@@ -966,22 +865,14 @@ impl BlkQueue {
         let mut reply = None;
         loop {
             self.poll(|c, data| {
-                reply = Some(BlkReply {
-                    status: c.status,
-                    used_len: c.used_len,
-                    data: data.to_vec(),
-                    completion: *c,
-                })
+                reply = Some(BlkReply { status: c.status, used_len: c.used_len, data: data.to_vec(), completion: *c })
             })?;
             if let Some(r) = reply {
                 return Ok(r);
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::Timeout(format!(
-                    "no completion on queue {} in {timeout:?}",
-                    self.queue.index()
-                )));
+                return Err(Error::Timeout(format!("no completion on queue {} in {timeout:?}", self.queue.index())));
             }
             // Short waits: a lost call costs a little time, never the request.
             self.wait((deadline - now).min(Duration::from_millis(20)))?;
@@ -1017,54 +908,19 @@ mod tests {
         assert_eq!(c.capacity, 2048);
         assert_eq!(c.capacity_bytes(), 2048 * 512);
         assert_eq!((c.size_max, c.seg_max), (65536, 126));
-        assert_eq!(
-            c.geometry,
-            Geometry {
-                cylinders: 100,
-                heads: 16,
-                sectors: 63
-            }
-        );
+        assert_eq!(c.geometry, Geometry { cylinders: 100, heads: 16, sectors: 63 });
         assert_eq!(c.blk_size, 4096);
-        assert_eq!(
-            (
-                c.physical_block_exp,
-                c.alignment_offset,
-                c.min_io_size,
-                c.opt_io_size
-            ),
-            (3, 1, 8, 64)
-        );
+        assert_eq!((c.physical_block_exp, c.alignment_offset, c.min_io_size, c.opt_io_size), (3, 1, 8, 64));
         assert_eq!((c.writeback, c.num_queues), (1, 4));
-        assert_eq!(
-            (
-                c.max_discard_sectors,
-                c.max_discard_seg,
-                c.discard_sector_alignment
-            ),
-            (10, 11, 12)
-        );
-        assert_eq!(
-            (
-                c.max_write_zeroes_sectors,
-                c.max_write_zeroes_seg,
-                c.write_zeroes_may_unmap
-            ),
-            (13, 14, 1)
-        );
+        assert_eq!((c.max_discard_sectors, c.max_discard_seg, c.discard_sector_alignment), (10, 11, 12));
+        assert_eq!((c.max_write_zeroes_sectors, c.max_write_zeroes_seg, c.write_zeroes_may_unmap), (13, 14, 1));
         assert!(BlkConfig::parse(&b[..56]).is_none());
     }
 
     #[test]
     fn header_and_range_layout() {
-        assert_eq!(
-            header(types::OUT, 0x0102),
-            [1, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]
-        );
-        assert_eq!(
-            range(3, 8, RANGE_F_UNMAP),
-            [3, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0]
-        );
+        assert_eq!(header(types::OUT, 0x0102), [1, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(range(3, 8, RANGE_F_UNMAP), [3, 0, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0]);
     }
 
     #[test]
@@ -1082,29 +938,9 @@ mod tests {
         };
         assert!(c.ok());
         assert!(!BlkCompletion { used_len: 1, ..c }.ok());
-        assert!(!BlkCompletion {
-            used_len: 4098,
-            ..c
-        }
-        .ok());
-        assert!(BlkCompletion {
-            status: status::IOERR,
-            used_len: 1,
-            ..c
-        }
-        .len_ok());
-        assert!(!BlkCompletion {
-            status: STATUS_NOT_WRITTEN,
-            ..c
-        }
-        .ok());
-        assert!(BlkCompletion {
-            req_type: types::GET_ID,
-            data_len: 20,
-            writable_len: 21,
-            used_len: 1,
-            ..c
-        }
-        .ok());
+        assert!(!BlkCompletion { used_len: 4098, ..c }.ok());
+        assert!(BlkCompletion { status: status::IOERR, used_len: 1, ..c }.len_ok());
+        assert!(!BlkCompletion { status: STATUS_NOT_WRITTEN, ..c }.ok());
+        assert!(BlkCompletion { req_type: types::GET_ID, data_len: 20, writable_len: 21, used_len: 1, ..c }.ok());
     }
 }

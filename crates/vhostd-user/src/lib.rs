@@ -276,10 +276,7 @@ impl VirtioUser {
     }
 
     /// Like `connect`, over an already connected stream (e.g. a socketpair).
-    pub fn from_stream(
-        sock: std::os::unix::net::UnixStream,
-        opts: Options,
-    ) -> Result<VirtioUser, Error> {
+    pub fn from_stream(sock: std::os::unix::net::UnixStream, opts: Options) -> Result<VirtioUser, Error> {
         Self::with_frontend(Frontend::from_stream(sock, DEFAULT_MAX_QUEUES), opts)
     }
 
@@ -288,9 +285,7 @@ impl VirtioUser {
         let offered = fe.get_features().map_err(vh("GET_FEATURES"))?;
         let missing = opts.required & !offered;
         if missing != 0 {
-            return Err(Error::Unsupported(format!(
-                "required features {missing:#x} (offered {offered:#x})"
-            )));
+            return Err(Error::Unsupported(format!("required features {missing:#x} (offered {offered:#x})")));
         }
         let mut features = opts.features & offered & !features::PROTOCOL_FEATURES;
         let mut protocol = VhostUserProtocolFeatures::empty();
@@ -303,12 +298,9 @@ impl VirtioUser {
         };
         if offered & features::PROTOCOL_FEATURES != 0 {
             features |= features::PROTOCOL_FEATURES;
-            let pf = fe
-                .get_protocol_features()
-                .map_err(vh("GET_PROTOCOL_FEATURES"))?;
+            let pf = fe.get_protocol_features().map_err(vh("GET_PROTOCOL_FEATURES"))?;
             protocol = pf & opts.protocol_features;
-            fe.set_protocol_features(protocol)
-                .map_err(vh("SET_PROTOCOL_FEATURES"))?;
+            fe.set_protocol_features(protocol).map_err(vh("SET_PROTOCOL_FEATURES"))?;
             if protocol.contains(VhostUserProtocolFeatures::REPLY_ACK) {
                 // Every request without a reply of its own gets an ack, so a
                 // backend's refusal surfaces at the request that caused it.
@@ -351,10 +343,8 @@ impl VirtioUser {
     /// GET_CONFIG of the first 10 bytes of virtio-net config space.
     pub fn read_net_config(&mut self) -> Result<NetConfig, Error> {
         let buf = [0u8; 10];
-        let (_, data) = self
-            .fe
-            .get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf)
-            .map_err(vh("GET_CONFIG"))?;
+        let (_, data) =
+            self.fe.get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf).map_err(vh("GET_CONFIG"))?;
         if data.len() < 10 {
             return Err(Error::Unsupported("a full virtio-net config".into()));
         }
@@ -370,10 +360,8 @@ impl VirtioUser {
     /// GET_CONFIG of the virtio-blk config space (`blk::CONFIG_LEN` bytes).
     pub fn read_blk_config(&mut self) -> Result<BlkConfig, Error> {
         let buf = [0u8; blk::CONFIG_LEN];
-        let (_, data) = self
-            .fe
-            .get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf)
-            .map_err(vh("GET_CONFIG"))?;
+        let (_, data) =
+            self.fe.get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf).map_err(vh("GET_CONFIG"))?;
         BlkConfig::parse(&data).ok_or_else(|| Error::Unsupported("a full virtio-blk config".into()))
     }
 
@@ -385,16 +373,10 @@ impl VirtioUser {
             mmap_offset: 0,
             mmap_handle: self.mem.fd(),
         };
-        if self.opts.add_mem_reg
-            && self
-                .protocol
-                .contains(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
-        {
+        if self.opts.add_mem_reg && self.protocol.contains(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS) {
             self.fe.add_mem_region(&region).map_err(vh("ADD_MEM_REG"))?;
         } else {
-            self.fe
-                .set_mem_table(&[region])
-                .map_err(vh("SET_MEM_TABLE"))?;
+            self.fe.set_mem_table(&[region]).map_err(vh("SET_MEM_TABLE"))?;
         }
         Ok(())
     }
@@ -468,12 +450,7 @@ impl VirtioUser {
     /// as negotiated), with kick and call eventfds. Nothing is sent yet: fill
     /// it, then `start_queue`. `indirect_max` adds an indirect-table pool.
     /// Split rings need a power-of-two size; packed rings any size up to 32768.
-    pub fn create_queue(
-        &mut self,
-        index: usize,
-        size: u16,
-        indirect_max: Option<u16>,
-    ) -> Result<VirtQueue, Error> {
+    pub fn create_queue(&mut self, index: usize, size: u16, indirect_max: Option<u16>) -> Result<VirtQueue, Error> {
         let packed = self.packed();
         if size == 0 || size > virtq::ring::MAX_QUEUE_SIZE || (!packed && !size.is_power_of_two()) {
             return Err(Error::Config(format!(
@@ -503,12 +480,8 @@ impl VirtioUser {
     pub fn start_queue_at(&mut self, q: &VirtQueue, base: u16) -> Result<(), Error> {
         let i = q.index();
         let l = q.ring.layout();
-        self.fe
-            .set_vring_num(i, l.size)
-            .map_err(vh("SET_VRING_NUM"))?;
-        self.fe
-            .set_vring_base(i, base)
-            .map_err(vh("SET_VRING_BASE"))?;
+        self.fe.set_vring_num(i, l.size).map_err(vh("SET_VRING_NUM"))?;
+        self.fe.set_vring_base(i, base).map_err(vh("SET_VRING_BASE"))?;
         let cfg = VringConfigData {
             queue_max_size: l.size,
             queue_size: l.size,
@@ -518,19 +491,11 @@ impl VirtioUser {
             avail_ring_addr: self.mem.gpa_to_uaddr(l.avail),
             log_addr: None,
         };
-        self.fe
-            .set_vring_addr(i, &cfg)
-            .map_err(vh("SET_VRING_ADDR"))?;
-        self.fe
-            .set_vring_kick(i, q.kick_fd())
-            .map_err(vh("SET_VRING_KICK"))?;
-        self.fe
-            .set_vring_call(i, q.call_fd())
-            .map_err(vh("SET_VRING_CALL"))?;
+        self.fe.set_vring_addr(i, &cfg).map_err(vh("SET_VRING_ADDR"))?;
+        self.fe.set_vring_kick(i, q.kick_fd()).map_err(vh("SET_VRING_KICK"))?;
+        self.fe.set_vring_call(i, q.call_fd()).map_err(vh("SET_VRING_CALL"))?;
         if self.features & features::PROTOCOL_FEATURES != 0 {
-            self.fe
-                .set_vring_enable(i, true)
-                .map_err(vh("SET_VRING_ENABLE"))?;
+            self.fe.set_vring_enable(i, true).map_err(vh("SET_VRING_ENABLE"))?;
         }
         if !self.started.contains(&i) {
             self.started.push(i);
@@ -546,9 +511,7 @@ impl VirtioUser {
 
     /// SET_VRING_ENABLE (needs VHOST_USER_F_PROTOCOL_FEATURES).
     pub fn set_vring_enable(&mut self, index: usize, enable: bool) -> Result<(), Error> {
-        self.fe
-            .set_vring_enable(index, enable)
-            .map_err(vh("SET_VRING_ENABLE"))
+        self.fe.set_vring_enable(index, enable).map_err(vh("SET_VRING_ENABLE"))
     }
 
     /// GET_VRING_BASE: stops the ring and returns the backend's next avail index.
@@ -563,10 +526,7 @@ impl VirtioUser {
     pub fn net_queue_pair(&mut self, pair: u16, size: u16) -> Result<(RxQueue, TxQueue), Error> {
         let rx_i = 2 * pair as usize;
         if rx_i as u64 + 1 >= self.max_queues {
-            return Err(Error::Unsupported(format!(
-                "queue pair {pair} (backend has {} queues)",
-                self.max_queues
-            )));
+            return Err(Error::Unsupported(format!("queue pair {pair} (backend has {} queues)", self.max_queues)));
         }
         let hdr = self.net_hdr_len();
         let buf = self.opts.buf_size;
@@ -588,11 +548,7 @@ impl VirtioUser {
     /// Whether the backend closed the socket (a non-blocking check).
     pub fn backend_gone(&self) -> bool {
         use std::os::unix::io::AsRawFd;
-        let mut p = libc::pollfd {
-            fd: self.fe.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let mut p = libc::pollfd { fd: self.fe.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd, zero timeout.
         let r = unsafe { libc::poll(&mut p, 1, 0) };
         // Nothing is ever sent unasked, so readability means EOF or an error.

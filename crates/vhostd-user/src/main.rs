@@ -8,16 +8,10 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use vhostd_user::blk::workload::{self, Workload};
-use vhostd_user::{
-    blk, build_udp_frame, features, NetStats, Options, RxQueue, TxQueue, VirtioUser,
-};
+use vhostd_user::{blk, build_udp_frame, features, NetStats, Options, RxQueue, TxQueue, VirtioUser};
 
 #[derive(Parser)]
-#[command(
-    name = "vhostd-user",
-    version,
-    about = "vhost-user frontend (virtio-user) for vhostd tests and benchmarks"
-)]
+#[command(name = "vhostd-user", version, about = "vhost-user frontend (virtio-user) for vhostd tests and benchmarks")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -310,27 +304,19 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     } else if let Some(e) = dev.net_config_error() {
         eprintln!("vhostd-user: no config space: {e}");
     }
-    let (mrg, eidx) = (
-        f & features::NET_MRG_RXBUF != 0,
-        f & features::EVENT_IDX != 0,
-    );
+    let (mrg, eidx) = (f & features::NET_MRG_RXBUF != 0, f & features::EVENT_IDX != 0);
     if a.mrg_rxbuf.on() != mrg || a.event_idx.on() != eidx {
         eprintln!("vhostd-user: note: mrg_rxbuf={mrg} event_idx={eidx} after negotiation");
     }
     let mut pairs: Vec<(RxQueue, TxQueue)> = Vec::new();
     for p in 0..a.queues {
-        let (mut rx, mut tx) = dev
-            .net_queue_pair(p, a.queue_size)
-            .map_err(|e| format!("queue pair {p}: {e}"))?;
+        let (mut rx, mut tx) = dev.net_queue_pair(p, a.queue_size).map_err(|e| format!("queue pair {p}: {e}"))?;
         // Busy polling: ask the backend not to signal us.
         rx.queue.ring.disable_notifications();
         tx.queue.ring.disable_notifications();
         pairs.push((rx, tx));
     }
-    let src = dev
-        .net_config()
-        .map(|c| c.mac)
-        .unwrap_or([0x02, 0, 0, 0, 0, 0x01]);
+    let src = dev.net_config().map(|c| c.mac).unwrap_or([0x02, 0, 0, 0, 0, 0x01]);
     let frame = build_udp_frame(a.pkt_size as usize, src, [0x02, 0, 0, 0, 0, 0x02]);
     if a.mode == Mode::Txonly {
         for (_, tx) in pairs.iter_mut() {
@@ -353,16 +339,7 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     let mut first_rx: Option<Instant> = None;
     let mut last_rx = start;
     let done = |pairs: &Vec<(RxQueue, TxQueue)>| -> u64 {
-        pairs
-            .iter()
-            .map(|(rx, tx)| {
-                if a.mode == Mode::Txonly {
-                    tx.stats.packets
-                } else {
-                    rx.stats.packets
-                }
-            })
-            .sum()
+        pairs.iter().map(|(rx, tx)| if a.mode == Mode::Txonly { tx.stats.packets } else { rx.stats.packets }).sum()
     };
     'outer: loop {
         for (rx, tx) in pairs.iter_mut() {
@@ -474,12 +451,7 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
             }
         }
     }
-    let mut t = Totals {
-        rx: NetStats::default(),
-        tx: NetStats::default(),
-        tx_dropped,
-        kicks: 0,
-    };
+    let mut t = Totals { rx: NetStats::default(), tx: NetStats::default(), tx_dropped, kicks: 0 };
     for (rx, tx) in &pairs {
         t.rx.add(&rx.stats);
         t.tx.add(&tx.stats);
@@ -539,24 +511,13 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
         return Err(format!(
             "--queues {}: the device has {} (MQ {})",
             a.queues,
-            if f & features::BLK_MQ != 0 {
-                cfg.num_queues
-            } else {
-                1
-            },
-            if f & features::BLK_MQ != 0 {
-                "negotiated"
-            } else {
-                "not offered"
-            }
+            if f & features::BLK_MQ != 0 { cfg.num_queues } else { 1 },
+            if f & features::BLK_MQ != 0 { "negotiated" } else { "not offered" }
         ));
     }
     let mut queues = Vec::with_capacity(a.queues as usize);
     for i in 0..a.queues {
-        queues.push(
-            dev.blk_queue(i, a.iodepth, a.bs)
-                .map_err(|e| format!("queue {i}: {e}"))?,
-        );
+        queues.push(dev.blk_queue(i, a.iodepth, a.bs).map_err(|e| format!("queue {i}: {e}"))?);
     }
     if let Some(cpu) = a.cpu {
         pin_to(cpu)?;
@@ -578,8 +539,7 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
         stall_timeout: Duration::from_secs_f64(a.stall_timeout),
         ..Workload::new(mode, a.bs)
     };
-    let report =
-        workload::run(&mut queues, cfg.capacity, &w, Some(&STOP)).map_err(|e| e.to_string())?;
+    let report = workload::run(&mut queues, cfg.capacity, &w, Some(&STOP)).map_err(|e| e.to_string())?;
     if !dev.backend_gone() {
         if let Err(e) = dev.disconnect() {
             eprintln!("vhostd-user: warning: disconnect: {e}");

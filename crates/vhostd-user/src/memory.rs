@@ -23,17 +23,12 @@ impl FrontendMemory {
     /// MFD_ALLOW_SEALING (a backend can then seal it against shrinking, as
     /// QEMU's memfds allow; false plays a frontend whose memory cannot be).
     pub fn new(size: u64, gpa_base: u64, sealable: bool) -> Result<FrontendMemory, Error> {
-        let size = size
-            .checked_add(4095)
-            .ok_or(Error::Config("memory size too large".into()))?
-            & !4095;
+        let size = size.checked_add(4095).ok_or(Error::Config("memory size too large".into()))? & !4095;
         if size == 0 {
             return Err(Error::Config("memory size must not be zero".into()));
         }
         if !gpa_base.is_multiple_of(4096) || gpa_base.checked_add(size).is_none() {
-            return Err(Error::Config(
-                "guest-physical base must be page aligned and fit".into(),
-            ));
+            return Err(Error::Config("guest-physical base must be page aligned and fit".into()));
         }
         let name = b"vhostd-user\0";
         // SAFETY: `name` is a NUL-terminated string that outlives the call.
@@ -46,11 +41,7 @@ impl FrontendMemory {
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(size).map_err(Error::Io)?;
         let mapping: Arc<Mapping> = Mapping::map(&file, 0, size).map_err(Error::Io)?;
-        Ok(FrontendMemory {
-            file,
-            mem: DriverMemory::new(mapping, gpa_base),
-            next: 0,
-        })
+        Ok(FrontendMemory { file, mem: DriverMemory::new(mapping, gpa_base), next: 0 })
     }
 
     /// The memfd.
@@ -85,8 +76,7 @@ impl FrontendMemory {
 
     /// Frontend virtual address of a guest-physical address.
     pub fn gpa_to_uaddr(&self, gpa: u64) -> u64 {
-        gpa.wrapping_sub(self.gpa_base())
-            .wrapping_add(self.uaddr_base())
+        gpa.wrapping_sub(self.gpa_base()).wrapping_add(self.uaddr_base())
     }
 
     /// Reserves `len` bytes aligned to `align` (a power of two); returns the

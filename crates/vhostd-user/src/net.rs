@@ -59,12 +59,7 @@ unsafe impl Send for TxQueue {}
 impl TxQueue {
     /// Prepares one read-only descriptor per slot of the `size * buf_size`
     /// bytes at guest-physical `bufs`.
-    pub fn new(
-        mut queue: VirtQueue,
-        bufs: u64,
-        buf_size: u32,
-        hdr_len: usize,
-    ) -> Result<TxQueue, Error> {
+    pub fn new(mut queue: VirtQueue, bufs: u64, buf_size: u32, hdr_len: usize) -> Result<TxQueue, Error> {
         let size = queue.ring.size();
         let base = queue
             .ring
@@ -75,14 +70,7 @@ impl TxQueue {
         let mut free = Vec::with_capacity(size as usize);
         for s in 0..size {
             let gpa = bufs + s as u64 * buf_size as u64;
-            let head = queue.ring.prepare(
-                &[Buf {
-                    addr: gpa,
-                    len: hdr_len as u32,
-                }],
-                &[],
-                s as u64,
-            )?;
+            let head = queue.ring.prepare(&[Buf { addr: gpa, len: hdr_len as u32 }], &[], s as u64)?;
             slot_of[head as usize] = s;
             free.push(head);
         }
@@ -147,11 +135,7 @@ impl TxQueue {
     pub fn send_frame_with_header(&mut self, hdr: &[u8], frame: &[u8]) -> Result<bool, Error> {
         let hdr = &hdr[..hdr.len().min(self.hdr_len)];
         if frame.len() > self.max_frame() {
-            return Err(Error::Config(format!(
-                "frame of {} bytes exceeds {}",
-                frame.len(),
-                self.max_frame()
-            )));
+            return Err(Error::Config(format!("frame of {} bytes exceeds {}", frame.len(), self.max_frame())));
         }
         let Some(head) = self.free.pop() else {
             return Ok(false);
@@ -174,11 +158,7 @@ impl TxQueue {
     /// Writes `frame` into every free slot, for `send_template`.
     pub fn set_template(&mut self, frame: &[u8]) -> Result<(), Error> {
         if frame.len() > self.max_frame() {
-            return Err(Error::Config(format!(
-                "frame of {} bytes exceeds {}",
-                frame.len(),
-                self.max_frame()
-            )));
+            return Err(Error::Config(format!("frame of {} bytes exceeds {}", frame.len(), self.max_frame())));
         }
         for i in 0..self.free.len() {
             let head = self.free[i];
@@ -188,9 +168,7 @@ impl TxQueue {
                 std::ptr::write_bytes(p, 0, self.hdr_len);
                 std::ptr::copy_nonoverlapping(frame.as_ptr(), p.add(self.hdr_len), frame.len());
             }
-            self.queue
-                .ring
-                .set_kept_len(head, (self.hdr_len + frame.len()) as u32)?;
+            self.queue.ring.set_kept_len(head, (self.hdr_len + frame.len()) as u32)?;
             self.frame_len[head as usize] = frame.len() as u32;
         }
         self.template_len = frame.len() as u32;
@@ -243,13 +221,7 @@ unsafe impl Send for RxQueue {}
 impl RxQueue {
     /// Prepares and posts one writable descriptor per slot (published, no kick:
     /// the backend has not started the queue yet).
-    pub fn new(
-        mut queue: VirtQueue,
-        bufs: u64,
-        buf_size: u32,
-        hdr_len: usize,
-        mrg: bool,
-    ) -> Result<RxQueue, Error> {
+    pub fn new(mut queue: VirtQueue, bufs: u64, buf_size: u32, hdr_len: usize, mrg: bool) -> Result<RxQueue, Error> {
         let size = queue.ring.size();
         let base = queue
             .ring
@@ -259,14 +231,7 @@ impl RxQueue {
         let mut slot_of = vec![0u16; size as usize];
         for s in 0..size {
             let gpa = bufs + s as u64 * buf_size as u64;
-            let head = queue.ring.prepare(
-                &[],
-                &[Buf {
-                    addr: gpa,
-                    len: buf_size,
-                }],
-                s as u64,
-            )?;
+            let head = queue.ring.prepare(&[], &[Buf { addr: gpa, len: buf_size }], s as u64)?;
             slot_of[head as usize] = s;
             queue.ring.repost(head)?;
         }
@@ -299,11 +264,7 @@ impl RxQueue {
     /// As `recv_burst`, also passing each frame's virtio_net_hdr (the first
     /// buffer's; num_buffers included when mergeable).
     #[inline]
-    pub fn recv_burst_with_header(
-        &mut self,
-        max: usize,
-        mut f: impl FnMut(&[u8], &[u8]),
-    ) -> Result<usize, Error> {
+    pub fn recv_burst_with_header(&mut self, max: usize, mut f: impl FnMut(&[u8], &[u8])) -> Result<usize, Error> {
         let max = max.min(self.scratch.len());
         let mut out = std::mem::take(&mut self.scratch);
         let r = self.queue.ring.pop_used_batch(&mut out[..max], true);
@@ -313,9 +274,7 @@ impl RxQueue {
         for u in &out[..n] {
             if let Some(&s) = self.slot_of.get(u.id as usize) {
                 // SAFETY: s < size: inside the buffer area.
-                virtq::split::prefetch(unsafe {
-                    self.base.add(s as usize * self.buf_size as usize)
-                });
+                virtq::split::prefetch(unsafe { self.base.add(s as usize * self.buf_size as usize) });
             }
         }
         let mut frames = 0;
@@ -345,8 +304,7 @@ impl RxQueue {
         // device returned this buffer and we repost it only after `f`
         // returns; a device writing it anyway can only change bytes (any
         // value is a valid u8).
-        let data =
-            unsafe { std::slice::from_raw_parts(self.base.add(s * self.buf_size as usize), len) };
+        let data = unsafe { std::slice::from_raw_parts(self.base.add(s * self.buf_size as usize), len) };
         if self.merge_left > 0 {
             // Continuation buffers carry no header.
             if self.merged.len() + len > MAX_MERGED {

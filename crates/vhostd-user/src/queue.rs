@@ -73,11 +73,7 @@ impl VirtQueue {
     /// Waits up to `timeout` for a call. Returns true if one came (and
     /// consumes it).
     pub fn wait_call(&self, timeout: Duration) -> Result<bool, Error> {
-        let mut p = libc::pollfd {
-            fd: self.call.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let mut p = libc::pollfd { fd: self.call.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd for the duration of the call.
         let r = unsafe { libc::poll(&mut p, 1, ms) };

@@ -16,13 +16,10 @@ use std::time::Duration;
 
 use vhost::vhost_user::message::*;
 use vhost::vhost_user::{
-    Backend, BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut,
-    VhostUserProtocolFeatures,
+    Backend, BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut, VhostUserProtocolFeatures,
 };
 use vhost::VhostUserMemoryRegionBase;
-use virtq::split::{
-    copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, SplitConfig, SplitQueue,
-};
+use virtq::split::{copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, SplitConfig, SplitQueue};
 use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region};
 
 use vhostd_user::blk::workload::{self, check_pattern, Mode, Workload};
@@ -87,8 +84,7 @@ fn handle(b: &Batch, c: &Chain, disk: &mut [u8], corrupt: bool) -> Option<u32> {
     let mut used = 1;
     if copy_from_segs(r, 0, &mut hdr) == 16 {
         let t = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
-        let off =
-            u64::from_le_bytes(hdr[8..16].try_into().unwrap()).saturating_mul(SECTOR) as usize;
+        let off = u64::from_le_bytes(hdr[8..16].try_into().unwrap()).saturating_mul(SECTOR) as usize;
         let inside = |len: usize| off.checked_add(len).is_some_and(|e| e <= disk.len());
         match t {
             types::IN if inside(c.write_len as usize - 1) => {
@@ -207,9 +203,7 @@ impl Fake {
 }
 
 fn unsupported<T>() -> VResult<T> {
-    Err(vhost::vhost_user::Error::InvalidOperation(
-        "not supported by the fake",
-    ))
+    Err(vhost::vhost_user::Error::InvalidOperation("not supported by the fake"))
 }
 
 impl VhostUserBackendReqHandlerMut for Fake {
@@ -240,8 +234,8 @@ impl VhostUserBackendReqHandlerMut for Fake {
     ) -> VResult<Option<Vec<VhostUserMemoryRegionBase>>> {
         let mut regions = Vec::new();
         for (r, f) in ctx.iter().zip(files.iter()) {
-            let m = Mapping::map(f, r.mmap_offset, r.memory_size)
-                .map_err(|_| vhost::vhost_user::Error::InvalidParam)?;
+            let m =
+                Mapping::map(f, r.mmap_offset, r.memory_size).map_err(|_| vhost::vhost_user::Error::InvalidParam)?;
             regions.push(Region::new(r.guest_phys_addr, r.memory_size, r.user_addr, m, 0).unwrap());
         }
         self.mem = Some(Arc::new(GuestMemory::from_regions(regions).unwrap()));
@@ -300,12 +294,7 @@ impl VhostUserBackendReqHandlerMut for Fake {
         self.maybe_start();
         Ok(())
     }
-    fn get_config(
-        &mut self,
-        offset: u32,
-        size: u32,
-        _flags: VhostUserConfigFlags,
-    ) -> VResult<Vec<u8>> {
+    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VResult<Vec<u8>> {
         let mut cfg = [0u8; blk::CONFIG_LEN];
         cfg[0..8].copy_from_slice(&(DISK as u64 / SECTOR).to_le_bytes());
         cfg[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
@@ -365,17 +354,8 @@ impl VhostUserBackendReqHandlerMut for Fake {
 /// A connected frontend, what it shares with the fake, and the fake's thread.
 fn connected(packed: bool) -> (VirtioUser, Arc<Shared>, JoinHandle<()>) {
     let (a, b) = UnixStream::pair().unwrap();
-    let shared = Arc::new(Shared {
-        disk: Mutex::new(vec![0u8; DISK]),
-        corrupt: AtomicBool::new(false),
-    });
-    let fake = Fake {
-        acked: 0,
-        mem: None,
-        ring: RingCfg::default(),
-        shared: shared.clone(),
-        worker: None,
-    };
+    let shared = Arc::new(Shared { disk: Mutex::new(vec![0u8; DISK]), corrupt: AtomicBool::new(false) });
+    let fake = Fake { acked: 0, mem: None, ring: RingCfg::default(), shared: shared.clone(), worker: None };
     let server = std::thread::spawn(move || {
         let backend = Arc::new(Mutex::new(fake));
         let mut h = BackendReqHandler::from_stream(b, backend.clone());
@@ -396,20 +376,12 @@ fn verify_with_reversed_completions_on_split_and_packed_rings() {
         let (mut dev, shared, server) = connected(packed);
         assert_eq!(dev.packed(), packed);
         let cfg = dev.blk_config().unwrap();
-        assert_eq!(
-            (cfg.capacity, cfg.size_max, cfg.seg_max),
-            (DISK as u64 / SECTOR, SIZE_MAX, 64)
-        );
+        assert_eq!((cfg.capacity, cfg.size_max, cfg.seg_max), (DISK as u64 / SECTOR, SIZE_MAX, 64));
         let mut qs = vec![dev.blk_queue(0, 16, 64 << 10).unwrap()];
         // 64 KiB requests go out as 8 data descriptors of size_max.
         assert_eq!(qs[0].seg_size(), SIZE_MAX);
         for (bs, seed, poll) in [(4096, 1, false), (64 << 10, 2, true), (1536, 3, false)] {
-            let w = Workload {
-                seed,
-                poll,
-                iodepth: 16,
-                ..Workload::new(Mode::Verify, bs)
-            };
+            let w = Workload { seed, poll, iodepth: 16, ..Workload::new(Mode::Verify, bs) };
             let r = workload::run(&mut qs, cfg.capacity, &w, None).unwrap();
             eprintln!("packed={packed}: {}", r.summary());
             assert!(r.passed(), "{:?} {:?}", r.first_error, r.mismatch);
@@ -418,25 +390,14 @@ fn verify_with_reversed_completions_on_split_and_packed_rings() {
             let blocks = DISK as u64 / bs as u64;
             assert_eq!(r.verified_blocks, blocks);
             let d = shared.disk.lock().unwrap();
-            assert_eq!(
-                check_pattern(&d[..(blocks * bs as u64) as usize], 0, seed),
-                None
-            );
+            assert_eq!(check_pattern(&d[..(blocks * bs as u64) as usize], 0, seed), None);
         }
-        let w = Workload {
-            count: Some(3000),
-            ..Workload::new(Mode::RandRead, 4096)
-        };
+        let w = Workload { count: Some(3000), ..Workload::new(Mode::RandRead, 4096) };
         let r = workload::run(&mut qs, cfg.capacity, &w, None).unwrap();
         assert!(r.passed() && r.ios == 3000, "{}", r.summary());
         let q = &mut qs[0];
-        let r = q
-            .request(BlkOp::GetId, &[], Duration::from_secs(5))
-            .unwrap();
-        assert_eq!(
-            (r.status, r.used_len, &r.data[..]),
-            (status::OK, 21, &ID[..])
-        );
+        let r = q.request(BlkOp::GetId, &[], Duration::from_secs(5)).unwrap();
+        assert_eq!((r.status, r.used_len, &r.data[..]), (status::OK, 21, &ID[..]));
         let bases = dev.disconnect().unwrap();
         assert_eq!(bases.len(), 1);
         server.join().unwrap();
@@ -450,58 +411,21 @@ fn raw_chains_and_timeouts() {
     let t = Duration::from_secs(5);
     let hdr = blk::header(types::OUT, 2);
     // No status byte at all: the device can only return the chain, length 0.
-    let r = q
-        .request_raw(&[RawSeg::Readable(&hdr), RawSeg::Readable(&[7; 512])], t)
-        .unwrap();
-    assert_eq!(
-        (r.status, r.used_len, r.data.len()),
-        (STATUS_NOT_WRITTEN, 0, 0)
-    );
+    let r = q.request_raw(&[RawSeg::Readable(&hdr), RawSeg::Readable(&[7; 512])], t).unwrap();
+    assert_eq!((r.status, r.used_len, r.data.len()), (STATUS_NOT_WRITTEN, 0, 0));
     // The "status" in a read-only buffer: the same.
-    let r = q
-        .request_raw(
-            &[
-                RawSeg::Readable(&blk::header(types::FLUSH, 0)),
-                RawSeg::Readable(&[0xff]),
-            ],
-            t,
-        )
-        .unwrap();
+    let r = q.request_raw(&[RawSeg::Readable(&blk::header(types::FLUSH, 0)), RawSeg::Readable(&[0xff])], t).unwrap();
     assert_eq!((r.status, r.used_len), (STATUS_NOT_WRITTEN, 0));
     // A header cut short.
-    let r = q
-        .request_raw(&[RawSeg::Readable(&hdr[..8]), RawSeg::Writable(1)], t)
-        .unwrap();
+    let r = q.request_raw(&[RawSeg::Readable(&hdr[..8]), RawSeg::Writable(1)], t).unwrap();
     assert_eq!((r.status, r.used_len), (status::IOERR, 1));
     // Typed requests still work after raw ones took the slots' chains.
-    assert_eq!(
-        q.run_one(BlkOp::Read {
-            sector: 0,
-            len: 4096
-        })
-        .unwrap(),
-        (status::OK, 4097)
-    );
-    assert_eq!(
-        q.run_one(BlkOp::Other {
-            req_type: 99,
-            sector: 0,
-            len: 0,
-            writable: false
-        })
-        .unwrap()
-        .0,
-        status::UNSUPP
-    );
+    assert_eq!(q.run_one(BlkOp::Read { sector: 0, len: 4096 }).unwrap(), (status::OK, 4097));
+    assert_eq!(q.run_one(BlkOp::Other { req_type: 99, sector: 0, len: 0, writable: false }).unwrap().0, status::UNSUPP);
     // A request the device never completes: a bounded wait, then an error;
     // the slot stays in flight, so synchronous requests refuse to start.
     let e = q.request(
-        BlkOp::Other {
-            req_type: T_DROP,
-            sector: 0,
-            len: 0,
-            writable: false,
-        },
+        BlkOp::Other { req_type: T_DROP, sector: 0, len: 0, writable: false },
         &[],
         Duration::from_millis(200),
     );
@@ -531,18 +455,13 @@ fn verify_names_the_first_mismatch() {
     let cap = dev.blk_config().unwrap().capacity;
     let mut qs = vec![dev.blk_queue(0, 8, 4096).unwrap()];
     shared.corrupt.store(true, Ordering::Relaxed);
-    let w = Workload {
-        seed: 9,
-        ..Workload::new(Mode::Verify, 4096)
-    };
+    let w = Workload { seed: 9, ..Workload::new(Mode::Verify, 4096) };
     let r = workload::run(&mut qs, cap, &w, None).unwrap();
     eprintln!("{}", r.summary());
     assert_eq!(r.errors, 0);
     assert_eq!(r.mismatch, Some(CORRUPT_AT as u64));
     assert!(!r.passed());
-    assert!(r
-        .summary()
-        .contains(&format!("verify=mismatch first_mismatch={CORRUPT_AT}")));
+    assert!(r.summary().contains(&format!("verify=mismatch first_mismatch={CORRUPT_AT}")));
     // The disk itself holds the pattern: only the reads were wrong.
     assert_eq!(check_pattern(&shared.disk.lock().unwrap(), 0, 9), None);
     dev.disconnect().unwrap();

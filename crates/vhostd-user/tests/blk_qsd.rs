@@ -91,15 +91,9 @@ impl Qsd {
             Disk::File(size) => {
                 let img = dir.0.join("disk.img");
                 File::create(&img).unwrap().set_len(size).unwrap();
-                (
-                    format!("driver=file,node-name=f,filename={}", img.display()),
-                    "f",
-                )
+                (format!("driver=file,node-name=f,filename={}", img.display()), "f")
             }
-            Disk::Null(size) => (
-                format!("driver=null-co,node-name=n,size={size},read-zeroes=on"),
-                "n",
-            ),
+            Disk::Null(size) => (format!("driver=null-co,node-name=n,size={size},read-zeroes=on"), "n"),
         };
         let export = format!(
             "type=vhost-user-blk,id=e,node-name={node},addr.type=unix,addr.path={},writable=on{extra}",
@@ -113,12 +107,7 @@ impl Qsd {
             .stderr(logf)
             .spawn()
             .unwrap();
-        let mut q = Qsd {
-            child,
-            sock,
-            log,
-            dir,
-        };
+        let mut q = Qsd { child, sock, log, dir };
         let deadline = Instant::now() + TIMEOUT;
         loop {
             if let Ok(Some(st)) = q.child.try_wait() {
@@ -128,11 +117,7 @@ impl Qsd {
             if q.sock.exists() {
                 break;
             }
-            assert!(
-                Instant::now() < deadline,
-                "{QSD} socket did not appear: {}",
-                q.log_text()
-            );
+            assert!(Instant::now() < deadline, "{QSD} socket did not appear: {}", q.log_text());
             std::thread::sleep(Duration::from_millis(20));
         }
         q
@@ -199,10 +184,7 @@ fn config_capacity_matches_the_file_and_the_null_node() {
     let mut dev = n.open(false);
     assert_eq!(dev.blk_config().unwrap().capacity, (1 << 30) / SECTOR);
     let mut qs = vec![dev.blk_queue(0, 16, 4096).unwrap()];
-    let w = Workload {
-        count: Some(2000),
-        ..Workload::new(Mode::RandRead, 4096)
-    };
+    let w = Workload { count: Some(2000), ..Workload::new(Mode::RandRead, 4096) };
     let r = workload::run(&mut qs, (1 << 30) / SECTOR, &w, None).unwrap();
     eprintln!("{}", r.summary());
     assert!(r.passed(), "{:?}", r.first_error);
@@ -215,39 +197,17 @@ fn verify_on(q: &Qsd, packed: bool) {
         assert_eq!(dev.offered_features() & features::RING_PACKED, 0);
         eprintln!("note: {QSD} does not offer VIRTIO_F_RING_PACKED: the ring fell back to split");
     }
-    assert_eq!(
-        dev.packed(),
-        packed && dev.offered_features() & features::RING_PACKED != 0
-    );
+    assert_eq!(dev.packed(), packed && dev.offered_features() & features::RING_PACKED != 0);
     let cap = dev.blk_config().unwrap().capacity;
     let mut qs = vec![dev.blk_queue(0, 16, 64 << 10).unwrap()];
     for (bs, seed) in [(4096, 11), (64 << 10, 12), (512, 13)] {
-        let w = Workload {
-            seed,
-            count: Some(if bs == 512 { 600 } else { u64::MAX }),
-            ..Workload::new(Mode::Verify, bs)
-        };
+        let w =
+            Workload { seed, count: Some(if bs == 512 { 600 } else { u64::MAX }), ..Workload::new(Mode::Verify, bs) };
         let r = workload::run(&mut qs, cap, &w, None).unwrap();
-        eprintln!(
-            "{} ring: {}",
-            if dev.packed() { "packed" } else { "split" },
-            r.summary()
-        );
-        assert!(
-            r.passed(),
-            "errors {:?} mismatch {:?}",
-            r.first_error,
-            r.mismatch
-        );
+        eprintln!("{} ring: {}", if dev.packed() { "packed" } else { "split" }, r.summary());
+        assert!(r.passed(), "errors {:?} mismatch {:?}", r.first_error, r.mismatch);
         assert_eq!(r.flush, Some(status::OK));
-        assert_eq!(
-            r.verified_blocks,
-            if bs == 512 {
-                600
-            } else {
-                cap * SECTOR / bs as u64
-            }
-        );
+        assert_eq!(r.verified_blocks, if bs == 512 { 600 } else { cap * SECTOR / bs as u64 });
     }
     // The file holds the last pattern (seed 13) over its first 600 sectors,
     // and seed 12's beyond.
@@ -290,141 +250,60 @@ fn requests_of_every_type() {
     // A write lands in the file at its offset.
     let mut data = vec![0u8; 8192];
     fill_pattern(&mut data, 24 * 512, 99);
-    let r = bq
-        .request(
-            BlkOp::Write {
-                sector: 24,
-                len: 8192,
-            },
-            &data,
-            TIMEOUT,
-        )
-        .unwrap();
+    let r = bq.request(BlkOp::Write { sector: 24, len: 8192 }, &data, TIMEOUT).unwrap();
     assert_eq!(r.status, status::OK);
     assert_eq!(r.used_len, 1);
     assert_ne!(f & features::BLK_FLUSH, 0);
     assert_eq!(bq.run_one(BlkOp::Flush).unwrap().0, status::OK);
     let mut on_disk = vec![0u8; 8192];
-    File::open(q.image())
-        .unwrap()
-        .read_exact_at(&mut on_disk, 24 * 512)
-        .unwrap();
+    File::open(q.image()).unwrap().read_exact_at(&mut on_disk, 24 * 512).unwrap();
     assert_eq!(on_disk, data);
     // And reads back, with the used length covering data and status.
-    let r = bq
-        .request(
-            BlkOp::Read {
-                sector: 24,
-                len: 8192,
-            },
-            &[],
-            TIMEOUT,
-        )
-        .unwrap();
+    let r = bq.request(BlkOp::Read { sector: 24, len: 8192 }, &[], TIMEOUT).unwrap();
     assert_eq!((r.status, r.used_len), (status::OK, 8193));
     assert!(r.completion.ok());
     assert_eq!(r.data, data);
 
     // Past the end: IOERR, whether it starts there or crosses it.
-    assert_eq!(
-        bq.run_one(BlkOp::Read {
-            sector: cap,
-            len: 512
-        })
-        .unwrap()
-        .0,
-        status::IOERR
-    );
-    assert_eq!(
-        bq.run_one(BlkOp::Read {
-            sector: cap - 1,
-            len: 1024
-        })
-        .unwrap()
-        .0,
-        status::IOERR
-    );
-    assert_eq!(
-        bq.run_one(BlkOp::Write {
-            sector: cap,
-            len: 512
-        })
-        .unwrap()
-        .0,
-        status::IOERR
-    );
+    assert_eq!(bq.run_one(BlkOp::Read { sector: cap, len: 512 }).unwrap().0, status::IOERR);
+    assert_eq!(bq.run_one(BlkOp::Read { sector: cap - 1, len: 1024 }).unwrap().0, status::IOERR);
+    assert_eq!(bq.run_one(BlkOp::Write { sector: cap, len: 512 }).unwrap().0, status::IOERR);
 
     // GET_ID: a 20-byte id, or UNSUPP.
     let r = bq.request(BlkOp::GetId, &[], TIMEOUT).unwrap();
-    assert!(
-        r.status == status::OK || r.status == status::UNSUPP,
-        "GET_ID status {}",
-        r.status
-    );
+    assert!(r.status == status::OK || r.status == status::UNSUPP, "GET_ID status {}", r.status);
     if r.status == status::OK {
         assert_eq!(r.data.len(), blk::ID_LEN);
         assert!(r.used_len as usize <= blk::ID_LEN + 1);
     }
-    eprintln!(
-        "GET_ID: status {} used {} id {:?}",
-        r.status,
-        r.used_len,
-        String::from_utf8_lossy(&r.data)
-    );
+    eprintln!("GET_ID: status {} used {} id {:?}", r.status, r.used_len, String::from_utf8_lossy(&r.data));
 
     // An unknown type: UNSUPP.
-    let op = BlkOp::Other {
-        req_type: 0x7777,
-        sector: 0,
-        len: 512,
-        writable: true,
-    };
+    let op = BlkOp::Other { req_type: 0x7777, sector: 0, len: 512, writable: true };
     assert_eq!(bq.run_one(op).unwrap().0, status::UNSUPP);
 
     // WRITE_ZEROES (and DISCARD) over part of what was written.
     if f & features::BLK_WRITE_ZEROES != 0 {
-        let op = BlkOp::WriteZeroes {
-            sector: 26,
-            sectors: 4,
-            flags: 0,
-        };
+        let op = BlkOp::WriteZeroes { sector: 26, sectors: 4, flags: 0 };
         assert_eq!(bq.run_one(op).unwrap().0, status::OK);
-        File::open(q.image())
-            .unwrap()
-            .read_exact_at(&mut on_disk, 24 * 512)
-            .unwrap();
+        File::open(q.image()).unwrap().read_exact_at(&mut on_disk, 24 * 512).unwrap();
         assert_eq!(on_disk[..1024], data[..1024]);
         assert!(on_disk[1024..3072].iter().all(|&b| b == 0));
         assert_eq!(on_disk[3072..], data[3072..]);
     }
     if f & features::BLK_DISCARD != 0 {
-        let op = BlkOp::Discard {
-            sector: 0,
-            sectors: 8,
-            flags: 0,
-        };
+        let op = BlkOp::Discard { sector: 0, sectors: 8, flags: 0 };
         assert_eq!(bq.run_one(op).unwrap().0, status::OK);
     }
 
     // A well-formed request built raw: header, data, status.
     let hdr = blk::header(types::IN, 24);
-    let r = bq
-        .request_raw(
-            &[
-                RawSeg::Readable(&hdr),
-                RawSeg::Writable(512),
-                RawSeg::Writable(1),
-            ],
-            TIMEOUT,
-        )
-        .unwrap();
+    let r = bq.request_raw(&[RawSeg::Readable(&hdr), RawSeg::Writable(512), RawSeg::Writable(1)], TIMEOUT).unwrap();
     assert_eq!((r.status, r.used_len, r.data.len()), (status::OK, 513, 513));
     assert_eq!(r.data[..512], data[..512]);
     assert_eq!(r.completion.req_type, types::IN);
     // Raw chains need readable buffers first.
-    assert!(bq
-        .submit_raw(&[RawSeg::Writable(1), RawSeg::Readable(&hdr)], 0)
-        .is_err());
+    assert!(bq.submit_raw(&[RawSeg::Writable(1), RawSeg::Readable(&hdr)], 0).is_err());
     assert_eq!(bq.in_flight(), 0);
     dev.disconnect().unwrap();
 }
@@ -440,22 +319,12 @@ fn two_queues_out_of_order() {
     assert_ne!(dev.features() & features::BLK_MQ, 0);
     assert_eq!(cfg.num_queues, 2);
     assert!(dev.max_queues() >= 2, "GET_QUEUE_NUM {}", dev.max_queues());
-    let mut qs = vec![
-        dev.blk_queue(0, 32, 4096).unwrap(),
-        dev.blk_queue(1, 32, 4096).unwrap(),
-    ];
-    let w = Workload {
-        count: Some(4000),
-        seed: 5,
-        ..Workload::new(Mode::RandWrite, 4096)
-    };
+    let mut qs = vec![dev.blk_queue(0, 32, 4096).unwrap(), dev.blk_queue(1, 32, 4096).unwrap()];
+    let w = Workload { count: Some(4000), seed: 5, ..Workload::new(Mode::RandWrite, 4096) };
     let r = workload::run(&mut qs, cfg.capacity, &w, None).unwrap();
     eprintln!("{}", r.summary());
     assert!(r.passed(), "{:?}", r.first_error);
-    let w = Workload {
-        seed: 6,
-        ..Workload::new(Mode::Verify, 4096)
-    };
+    let w = Workload { seed: 6, ..Workload::new(Mode::Verify, 4096) };
     let r = workload::run(&mut qs, cfg.capacity, &w, None).unwrap();
     eprintln!("{}", r.summary());
     assert!(r.passed(), "{:?} {:?}", r.first_error, r.mismatch);
@@ -499,27 +368,12 @@ fn cli_verify_prints_one_summary_line() {
     }
     let q = Qsd::start(Disk::File(4 << 20), "");
     let sock = q.sock.to_str().unwrap();
-    let (code, out, err) = run_cli(
-        &q.dir.0,
-        &[
-            "blk",
-            "--socket-path",
-            sock,
-            "--mode",
-            "verify",
-            "--size",
-            "2m",
-            "--bs",
-            "8k",
-        ],
-    );
+    let (code, out, err) =
+        run_cli(&q.dir.0, &["blk", "--socket-path", sock, "--mode", "verify", "--size", "2m", "--bs", "8k"]);
     assert_eq!(code, Some(0), "stdout {out} stderr {err}");
     let line = out.trim();
     assert_eq!(line.lines().count(), 1, "{out}");
-    assert!(
-        line.starts_with("blk mode=verify bs=8192 iodepth=32 queues=1 ios=513 errors=0 "),
-        "{line}"
-    );
+    assert!(line.starts_with("blk mode=verify bs=8192 iodepth=32 queues=1 ios=513 errors=0 "), "{line}");
     for key in [
         "iops=",
         "mbps=",
@@ -537,56 +391,18 @@ fn cli_verify_prints_one_summary_line() {
 
     let (code, out, err) = run_cli(
         &q.dir.0,
-        &[
-            "blk",
-            "--socket-path",
-            sock,
-            "--mode",
-            "randread",
-            "--count",
-            "300",
-            "--iodepth",
-            "4",
-            "--poll",
-            "on",
-        ],
+        &["blk", "--socket-path", sock, "--mode", "randread", "--count", "300", "--iodepth", "4", "--poll", "on"],
     );
     assert_eq!(code, Some(0), "stdout {out} stderr {err}");
-    assert!(
-        out.starts_with("blk mode=randread bs=4096 iodepth=4 queues=1 ios=300 errors=0 "),
-        "{out}"
-    );
+    assert!(out.starts_with("blk mode=randread bs=4096 iodepth=4 queues=1 ios=300 errors=0 "), "{out}");
 
     // A region larger than the disk: refused, exit 1.
-    let (code, _, err) = run_cli(
-        &q.dir.0,
-        &[
-            "blk",
-            "--socket-path",
-            sock,
-            "--mode",
-            "read",
-            "--size",
-            "1g",
-        ],
-    );
+    let (code, _, err) = run_cli(&q.dir.0, &["blk", "--socket-path", sock, "--mode", "read", "--size", "1g"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("exceeds the disk"), "{err}");
     // A packed ring the backend does not offer: refused, exit 1.
-    let (code, out, err) = run_cli(
-        &q.dir.0,
-        &[
-            "blk",
-            "--socket-path",
-            sock,
-            "--mode",
-            "read",
-            "--packed",
-            "on",
-            "--count",
-            "10",
-        ],
-    );
+    let (code, out, err) =
+        run_cli(&q.dir.0, &["blk", "--socket-path", sock, "--mode", "read", "--packed", "on", "--count", "10"]);
     if code == Some(0) {
         assert!(err.contains("packed rings"), "{err}");
     } else {

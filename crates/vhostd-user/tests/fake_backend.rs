@@ -12,13 +12,10 @@ use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::*;
 use vhost::vhost_user::{
-    Backend, BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut,
-    VhostUserProtocolFeatures,
+    Backend, BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut, VhostUserProtocolFeatures,
 };
 use vhost::VhostUserMemoryRegionBase;
-use virtq::split::{
-    copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, SplitConfig, SplitQueue,
-};
+use virtq::split::{copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, SplitConfig, SplitQueue};
 use virtq::{GuestMemory, Mapping, Region};
 
 use vhostd_user::{build_udp_frame, features, Error, Options, VirtioUser};
@@ -72,10 +69,8 @@ impl Fake {
             features: self.acked,
             next_avail: r.base,
         };
-        let mut rxq =
-            SplitQueue::new(mem.clone(), cfg(&self.rings[0]), AddrSpace::FrontendVirtual).unwrap();
-        let mut txq =
-            SplitQueue::new(mem, cfg(&self.rings[1]), AddrSpace::FrontendVirtual).unwrap();
+        let mut rxq = SplitQueue::new(mem.clone(), cfg(&self.rings[0]), AddrSpace::FrontendVirtual).unwrap();
+        let mut txq = SplitQueue::new(mem, cfg(&self.rings[1]), AddrSpace::FrontendVirtual).unwrap();
         let calls = [self.rings[0].call.clone(), self.rings[1].call.clone()];
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -129,16 +124,12 @@ impl Fake {
     }
 
     fn ring(&mut self, index: u32) -> VResult<&mut RingCfg> {
-        self.rings
-            .get_mut(index as usize)
-            .ok_or(vhost::vhost_user::Error::InvalidParam)
+        self.rings.get_mut(index as usize).ok_or(vhost::vhost_user::Error::InvalidParam)
     }
 }
 
 fn unsupported<T>() -> VResult<T> {
-    Err(vhost::vhost_user::Error::InvalidOperation(
-        "not supported by the fake",
-    ))
+    Err(vhost::vhost_user::Error::InvalidOperation("not supported by the fake"))
 }
 
 impl VhostUserBackendReqHandlerMut for Fake {
@@ -169,8 +160,8 @@ impl VhostUserBackendReqHandlerMut for Fake {
     ) -> VResult<Option<Vec<VhostUserMemoryRegionBase>>> {
         let mut regions = Vec::new();
         for (r, f) in ctx.iter().zip(files.iter()) {
-            let m = Mapping::map(f, r.mmap_offset, r.memory_size)
-                .map_err(|_| vhost::vhost_user::Error::InvalidParam)?;
+            let m =
+                Mapping::map(f, r.mmap_offset, r.memory_size).map_err(|_| vhost::vhost_user::Error::InvalidParam)?;
             regions.push(Region::new(r.guest_phys_addr, r.memory_size, r.user_addr, m, 0).unwrap());
         }
         self.mem = Some(Arc::new(GuestMemory::from_regions(regions).unwrap()));
@@ -216,9 +207,7 @@ impl VhostUserBackendReqHandlerMut for Fake {
         Ok(())
     }
     fn get_protocol_features(&mut self) -> VResult<VhostUserProtocolFeatures> {
-        Ok(VhostUserProtocolFeatures::MQ
-            | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::CONFIG)
+        Ok(VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::CONFIG)
     }
     fn set_protocol_features(&mut self, f: u64) -> VResult<()> {
         self.proto = f;
@@ -232,12 +221,7 @@ impl VhostUserBackendReqHandlerMut for Fake {
         self.maybe_start();
         Ok(())
     }
-    fn get_config(
-        &mut self,
-        offset: u32,
-        size: u32,
-        _flags: VhostUserConfigFlags,
-    ) -> VResult<Vec<u8>> {
+    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VResult<Vec<u8>> {
         let mut cfg = [0u8; 10];
         cfg[..6].copy_from_slice(&MAC);
         cfg[6] = 1; // link up
@@ -316,12 +300,7 @@ fn connected() -> (VirtioUser, JoinHandle<()>) {
 fn negotiation_and_config() {
     let (dev, server) = connected();
     let f = dev.features();
-    for bit in [
-        features::VERSION_1,
-        features::EVENT_IDX,
-        features::NET_MRG_RXBUF,
-        features::PROTOCOL_FEATURES,
-    ] {
+    for bit in [features::VERSION_1, features::EVENT_IDX, features::NET_MRG_RXBUF, features::PROTOCOL_FEATURES] {
         assert_ne!(f & bit, 0, "feature {bit:#x} negotiated");
     }
     assert_eq!(f & features::NET_MQ, 0, "MQ not offered, so not acked");
@@ -338,10 +317,7 @@ fn negotiation_and_config() {
 #[test]
 fn frames_round_trip_through_loopback_backend() {
     let (mut dev, server) = connected();
-    assert!(
-        dev.net_queue_pair(1, 64).is_err(),
-        "only one pair without MQ"
-    );
+    assert!(dev.net_queue_pair(1, 64).is_err(), "only one pair without MQ");
     let (mut rx, mut tx) = dev.net_queue_pair(0, 64).unwrap();
     let total = 3000usize;
     let (mut sent, mut got) = (0usize, 0usize);
@@ -361,10 +337,7 @@ fn frames_round_trip_through_loopback_backend() {
         tx.reclaim().unwrap();
         rx.recv_burst(64, |frame| {
             assert_eq!(frame.len(), 60 + got % 1400);
-            assert_eq!(
-                u64::from_le_bytes(frame[42..50].try_into().unwrap()),
-                got as u64
-            );
+            assert_eq!(u64::from_le_bytes(frame[42..50].try_into().unwrap()), got as u64);
             got += 1;
         })
         .unwrap();
@@ -381,14 +354,9 @@ fn frames_round_trip_through_loopback_backend() {
     tx.queue.ring.disable_notifications();
     assert!(!rx.queue.ring.enable_notifications());
     rx.queue.take_calls();
-    assert!(tx
-        .send_frame(&build_udp_frame(64, [2, 0, 0, 0, 0, 1], MAC))
-        .unwrap());
+    assert!(tx.send_frame(&build_udp_frame(64, [2, 0, 0, 0, 0, 1], MAC)).unwrap());
     tx.flush().unwrap();
-    assert!(
-        rx.queue.wait_call(Duration::from_secs(5)).unwrap(),
-        "backend called after RX"
-    );
+    assert!(rx.queue.wait_call(Duration::from_secs(5)).unwrap(), "backend called after RX");
     assert_eq!(rx.recv_burst(8, |_| {}).unwrap(), 1);
 
     let bases = dev.disconnect().unwrap();
@@ -415,24 +383,16 @@ fn hostile_used_entries_are_errors_not_panics() {
     assert_eq!(rx.recv_burst(16, |_| panic!("no frame")).unwrap(), 0);
     assert_eq!(rx.stats.bad, 1);
     // num_buffers 0 in the header: bad.
-    dev.memory()
-        .driver_memory()
-        .write(rx.queue.ring.split().unwrap().read_desc(1).addr, &[0u8; 12]);
+    dev.memory().driver_memory().write(rx.queue.ring.split().unwrap().read_desc(1).addr, &[0u8; 12]);
     put(1, 1, 20, 2);
     assert_eq!(rx.recv_burst(16, |_| panic!("no frame")).unwrap(), 0);
     assert_eq!(rx.stats.bad, 2);
     // A head past the queue.
     put(2, 999, 20, 3);
-    assert!(matches!(
-        rx.recv_burst(16, |_| {}),
-        Err(Error::Ring(vhostd_user::DriverError::BadUsedId))
-    ));
+    assert!(matches!(rx.recv_burst(16, |_| {}), Err(Error::Ring(vhostd_user::DriverError::BadUsedId))));
     // used.idx far ahead of what is in flight.
     put(2, 2, 20, 3000);
-    assert!(matches!(
-        rx.recv_burst(16, |_| {}),
-        Err(Error::Ring(vhostd_user::DriverError::UsedIdxAhead))
-    ));
+    assert!(matches!(rx.recv_burst(16, |_| {}), Err(Error::Ring(vhostd_user::DriverError::UsedIdxAhead))));
     drop(dev);
     server.join().unwrap();
 }
@@ -448,28 +408,13 @@ fn cli_txonly_count_against_fake_backend() {
         serve(s).join().unwrap();
     });
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vhostd-user"))
-        .args([
-            "net",
-            "--socket-path",
-            path.to_str().unwrap(),
-            "--mode",
-            "txonly",
-            "--count",
-            "20000",
-        ])
+        .args(["net", "--socket-path", path.to_str().unwrap(), "--mode", "txonly", "--count", "20000"])
         .args(["--queue-size", "128", "--pkt-size", "100"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "stdout {stdout} stderr {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        stdout.starts_with("report packets=20000 bytes=2000000 seconds="),
-        "{stdout}"
-    );
+    assert!(out.status.success(), "stdout {stdout} stderr {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.starts_with("report packets=20000 bytes=2000000 seconds="), "{stdout}");
     server.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -478,52 +423,13 @@ fn cli_txonly_count_against_fake_backend() {
 fn cli_bad_arguments_exit_2_naming_the_argument() {
     let bin = env!("CARGO_BIN_EXE_vhostd-user");
     for (args, name) in [
-        (
-            vec![
-                "net",
-                "--socket-path",
-                "/x",
-                "--mode",
-                "txonly",
-                "--queue-size",
-                "100",
-            ],
-            "--queue-size",
-        ),
-        (
-            vec!["net", "--socket-path", "/x", "--mode", "sideways"],
-            "--mode",
-        ),
-        (
-            vec![
-                "net",
-                "--socket-path",
-                "/x",
-                "--mode",
-                "echo",
-                "--pkt-size",
-                "9",
-            ],
-            "--pkt-size",
-        ),
-        (
-            vec![
-                "net",
-                "--socket-path",
-                "/x",
-                "--mode",
-                "echo",
-                "--mrg-rxbuf",
-                "maybe",
-            ],
-            "--mrg-rxbuf",
-        ),
+        (vec!["net", "--socket-path", "/x", "--mode", "txonly", "--queue-size", "100"], "--queue-size"),
+        (vec!["net", "--socket-path", "/x", "--mode", "sideways"], "--mode"),
+        (vec!["net", "--socket-path", "/x", "--mode", "echo", "--pkt-size", "9"], "--pkt-size"),
+        (vec!["net", "--socket-path", "/x", "--mode", "echo", "--mrg-rxbuf", "maybe"], "--mrg-rxbuf"),
         (vec!["net", "--mode", "echo"], "--socket-path"),
     ] {
-        let out = std::process::Command::new(bin)
-            .args(&args)
-            .output()
-            .unwrap();
+        let out = std::process::Command::new(bin).args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(name), "{args:?}: {err}");

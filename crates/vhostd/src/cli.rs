@@ -13,7 +13,14 @@ use vhostd_block_backends::BlockSpec;
 /// One device: `vhostd net ...` or `vhostd blk ...`. Several devices in one
 /// daemon: `vhostd --config FILE`. Watch a running daemon: `vhostd stats`.
 #[derive(Parser, Debug)]
-#[command(name = "vhostd", version, about, long_about, args_conflicts_with_subcommands = true, arg_required_else_help = true)]
+#[command(
+    name = "vhostd",
+    version,
+    about,
+    long_about,
+    args_conflicts_with_subcommands = true,
+    arg_required_else_help = true
+)]
 pub struct Cli {
     /// Serve every device of a TOML configuration file ([[net]] and [[blk]]
     /// tables with the keys of `vhostd net|blk`'s options; see the README).
@@ -229,7 +236,9 @@ fn check_ifname(what: &str, value: &str) -> Result<(), String> {
         || value == ".."
         || value.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
     {
-        return Err(format!("{what} ifname '{value}': expected an interface name of 1 to 15 characters without '/', ':' or spaces"));
+        return Err(format!(
+            "{what} ifname '{value}': expected an interface name of 1 to 15 characters without '/', ':' or spaces"
+        ));
     }
     Ok(())
 }
@@ -493,7 +502,9 @@ impl BlkArgs {
     pub fn spec(&self) -> BlockSpec {
         match (&self.backend, &self.blk_file) {
             (Some(b), _) => b.clone(),
-            (None, Some(path)) => BlockSpec::File { path: path.clone(), readonly: self.read_only, direct: false, discard: false },
+            (None, Some(path)) => {
+                BlockSpec::File { path: path.clone(), readonly: self.read_only, direct: false, discard: false }
+            }
             // clap requires one of them.
             (None, None) => BlockSpec::Null { size: 512 },
         }
@@ -771,14 +782,19 @@ mod tests {
         let BackendArg::AfXdp(s) = parse_backend("af-xdp,ifname=veth0").unwrap() else { panic!() };
         assert_eq!(s, AfXdpSpec::new("veth0"));
         let BackendArg::AfXdp(s) =
-            parse_backend("af-xdp,ifname=v,mode=skb,force-copy=on,queues=2,start-queue=1,rx-ring=256,busy-poll=on").unwrap()
+            parse_backend("af-xdp,ifname=v,mode=skb,force-copy=on,queues=2,start-queue=1,rx-ring=256,busy-poll=on")
+                .unwrap()
         else {
             panic!()
         };
-        assert_eq!((s.mode, s.force_copy, s.queues, s.start_queue, s.rx_ring, s.busy_poll), (Some(XdpMode::Skb), true, Some(2), 1, 256, true));
+        assert_eq!(
+            (s.mode, s.force_copy, s.queues, s.start_queue, s.rx_ring, s.busy_poll),
+            (Some(XdpMode::Skb), true, Some(2), 1, 256, true)
+        );
         let BackendArg::AfXdp(s) = parse_backend("af-xdp,ifname=v,inhibit=on,sock-fds=5:6").unwrap() else { panic!() };
         assert_eq!(s.sock_fds, vec![5, 6]);
-        let BackendArg::AfXdp(s) = parse_backend("af-xdp,ifname=v,inhibit=on,map-path=/sys/fs/bpf/m,map-start-index=4").unwrap()
+        let BackendArg::AfXdp(s) =
+            parse_backend("af-xdp,ifname=v,inhibit=on,map-path=/sys/fs/bpf/m,map-start-index=4").unwrap()
         else {
             panic!()
         };

@@ -96,7 +96,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
         Some(v) => Some(match v.get_ref().as_str() {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
-            other => return Err(format!("{}: key `log-format`: expected \"text\" or \"json\", got \"{other}\"", at(v.span().start))),
+            other => {
+                return Err(format!(
+                    "{}: key `log-format`: expected \"text\" or \"json\", got \"{other}\"",
+                    at(v.span().start)
+                ))
+            }
         }),
     };
     let seccomp = match &raw.seccomp {
@@ -106,7 +111,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
             "trap" => crate::sandbox::SeccompMode::Trap,
             "off" => crate::sandbox::SeccompMode::Off,
             other => {
-                return Err(format!("{}: key `seccomp`: expected \"enforce\", \"trap\" or \"off\", got \"{other}\"", at(v.span().start)))
+                return Err(format!(
+                    "{}: key `seccomp`: expected \"enforce\", \"trap\" or \"off\", got \"{other}\"",
+                    at(v.span().start)
+                ))
             }
         }),
     };
@@ -283,7 +291,10 @@ backend = "null,size=1G"
         let e = err("[[net]]\nsocket-path = \"/tmp/a\"\nbackend = \"sink\"\nqueues = 0\n");
         assert!(e.starts_with("/etc/vhostd/x.toml:4: [[net]] `net0`: key `queues`: "), "{e}");
         let e = err("[[blk]]\nsocket-path = \"/tmp/a\"\n");
-        assert!(e.contains(":1: [[blk]] `blk0`: key `backend` is required") || e.contains("key `backend` is required"), "{e}");
+        assert!(
+            e.contains(":1: [[blk]] `blk0`: key `backend` is required") || e.contains("key `backend` is required"),
+            "{e}"
+        );
         let e = err("[[net]]\nsocket-path = \"/tmp/a\"\nbackend = \"sink\"\nspeed = 10\n");
         assert!(e.starts_with("/etc/vhostd/x.toml:4: [[net]] `net0`: unknown key `speed`"), "{e}");
         let e = err("[[net]]\nsocket-path = \"/tmp/a\"\nbackend = \"sink\"\nfd = 3\n");

@@ -19,7 +19,8 @@ pub const DEFAULT_PATH: &str = "/run/vhostd/control.sock";
 /// of its own. The socket file goes when the returned guard does.
 pub fn serve(path: &Path, entries: Arc<Vec<Arc<DeviceEntry>>>) -> io::Result<SocketFile> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| io::Error::new(e.kind(), format!("--control {}: {e}", path.display())))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| io::Error::new(e.kind(), format!("--control {}: {e}", path.display())))?;
     }
     let listener = crate::server::bind_as(path, "--control")?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
@@ -61,7 +62,8 @@ pub fn fetch(path: &Path) -> io::Result<Value> {
     (&conn).write_all(b"stats\n")?;
     let mut line = String::new();
     BufReader::new(conn).read_line(&mut line)?;
-    let v: Value = serde_json::from_str(&line).map_err(|e| io::Error::other(format!("{}: bad answer: {e}", path.display())))?;
+    let v: Value =
+        serde_json::from_str(&line).map_err(|e| io::Error::other(format!("{}: bad answer: {e}", path.display())))?;
     if let Some(e) = v.get("error") {
         return Err(io::Error::other(format!("{}: {e}", path.display())));
     }

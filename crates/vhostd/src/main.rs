@@ -18,8 +18,11 @@ fn init_logging(format: LogFormat) {
 
 fn main() -> ExitCode {
     let args = cli::parse();
-    let cli_globals =
-        server::Globals { control: args.control.clone(), metrics: args.metrics, seccomp: args.seccomp.unwrap_or_default() };
+    let cli_globals = server::Globals {
+        control: args.control.clone(),
+        metrics: args.metrics,
+        seccomp: args.seccomp.unwrap_or_default(),
+    };
     let (devices, globals, format) = match args.command {
         None => {
             // `vhostd --config FILE` (clap requires one or the other).
@@ -78,7 +81,11 @@ fn main() -> ExitCode {
 }
 
 /// One device from the command line.
-fn single(args: DeviceArgs, globals: server::Globals, format: Option<LogFormat>) -> (Vec<DeviceSpec>, server::Globals, LogFormat) {
+fn single(
+    args: DeviceArgs,
+    globals: server::Globals,
+    format: Option<LogFormat>,
+) -> (Vec<DeviceSpec>, server::Globals, LogFormat) {
     let name = format!("{}0", args.kind());
     (vec![DeviceSpec { name, args }], globals, format.unwrap_or(LogFormat::Text))
 }

@@ -11,8 +11,7 @@ use crate::server::DeviceEntry;
 
 /// Listens on `addr` and serves scrapes on a thread of its own.
 pub fn serve(addr: SocketAddr, entries: Arc<Vec<Arc<DeviceEntry>>>) -> io::Result<()> {
-    let listener =
-        TcpListener::bind(addr).map_err(|e| io::Error::new(e.kind(), format!("--metrics {addr}: {e}")))?;
+    let listener = TcpListener::bind(addr).map_err(|e| io::Error::new(e.kind(), format!("--metrics {addr}: {e}")))?;
     if !addr.ip().is_loopback() {
         tracing::warn!("metrics on {addr}: reachable from other hosts");
     }
@@ -44,9 +43,11 @@ fn answer(conn: TcpStream, entries: &[Arc<DeviceEntry>]) -> io::Result<()> {
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     let (status, ctype, body) = match (method, path) {
-        ("GET", "/metrics") => {
-            ("200 OK", "text/plain; version=0.0.4; charset=utf-8", crate::stats::prometheus(&crate::stats::snapshot(entries)))
-        }
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            crate::stats::prometheus(&crate::stats::snapshot(entries)),
+        ),
         ("GET", "/") => ("200 OK", "text/plain; charset=utf-8", "vhostd: metrics at /metrics\n".to_string()),
         ("GET", _) => ("404 Not Found", "text/plain; charset=utf-8", "not found: try /metrics\n".to_string()),
         _ => ("405 Method Not Allowed", "text/plain; charset=utf-8", "GET only\n".to_string()),

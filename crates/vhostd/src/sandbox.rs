@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 use std::io;
 
 use seccompiler::{
-    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule,
+    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
 };
 
 /// What `--seccomp` asks for.
@@ -129,8 +130,10 @@ fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
     let ioctl: Vec<SeccompRule> = IOCTLS
         .iter()
         .map(|&req| {
-            SeccompRule::new(vec![SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, req).map_err(bad)?])
-                .map_err(bad)
+            SeccompRule::new(vec![
+                SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, req).map_err(bad)?
+            ])
+            .map_err(bad)
         })
         .collect::<io::Result<_>>()?;
     rules.insert(libc::SYS_ioctl, ioctl);
@@ -156,10 +159,10 @@ fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
     // it first trims a thread's heap) and cope with not being allowed.
     let ins = |code: u16, jt: u8, jf: u8, k: u32| sock_filter { code, jt, jf, k };
     let mut out = vec![
-        ins(0x20, 0, 0, 0),                                   // A = seccomp_data.nr
-        ins(0x15, 1, 0, libc::SYS_openat as u32),             // A == openat: to the return
-        ins(0x15, 0, 1, libc::SYS_open as u32),               // A == open: to the return, else on
-        ins(0x06, 0, 0, 0x0005_0000 | libc::EACCES as u32),   // SECCOMP_RET_ERRNO | EACCES
+        ins(0x20, 0, 0, 0),                                 // A = seccomp_data.nr
+        ins(0x15, 1, 0, libc::SYS_openat as u32),           // A == openat: to the return
+        ins(0x15, 0, 1, libc::SYS_open as u32),             // A == open: to the return, else on
+        ins(0x06, 0, 0, 0x0005_0000 | libc::EACCES as u32), // SECCOMP_RET_ERRNO | EACCES
     ];
     out.extend(prog);
     Ok(out)

@@ -14,10 +14,10 @@ use vhostd_net::CtrlState;
 
 use crate::cli::{BlkArgs, DeviceArgs, NetArgs, WaitMode};
 use crate::config::DeviceSpec;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::session::{Device, Session};
 use crate::worker::{self, Engine, Mode, Shared, WorkerReport};
 use vhostd_blk::{BlkDevice, BlkQueue};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// Removes the socket file when dropped (also on error paths).
 pub struct SocketFile(PathBuf);
@@ -226,7 +226,12 @@ fn vring_addr_misaligned(conn: &UnixStream, session: &Mutex<Session>, flags: u32
     let mut msg = [0u8; 52];
     // SAFETY: peek the whole message into a local buffer; nothing consumed.
     let n = unsafe {
-        libc::recv(conn.as_raw_fd(), msg.as_mut_ptr() as *mut libc::c_void, msg.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        libc::recv(
+            conn.as_raw_fd(),
+            msg.as_mut_ptr() as *mut libc::c_void,
+            msg.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
     };
     if n != msg.len() as isize {
         return Ok(false);
@@ -239,7 +244,9 @@ fn vring_addr_misaligned(conn: &UnixStream, session: &Mutex<Session>, flags: u32
         return Ok(false);
     }
     read_exact(conn, &mut msg)?;
-    tracing::warn!("SET_VRING_ADDR refused: misaligned ring addresses (desc {desc:#x}, used {used:#x}, avail {avail:#x})");
+    tracing::warn!(
+        "SET_VRING_ADDR refused: misaligned ring addresses (desc {desc:#x}, used {used:#x}, avail {avail:#x})"
+    );
     let ack = session.lock().map(|s| s.reply_ack()).unwrap_or(false);
     if flags & NEED_REPLY != 0 && ack {
         let mut out = [0u8; 20];
@@ -274,7 +281,9 @@ fn too_many_fds(conn: &UnixStream) -> bool {
     msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
     msg.msg_controllen = std::mem::size_of_val(&control) as _;
     // SAFETY: msg describes valid local buffers; MSG_PEEK consumes nothing.
-    let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe {
+        libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC)
+    };
     if n <= 0 {
         return false;
     }
@@ -564,13 +573,29 @@ fn endpoint(path: Option<&Path>, fd: Option<RawFd>, client: bool) -> io::Result<
             let (mut ty, mut domain) = (0i32, 0i32);
             let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
             // SAFETY: getsockopt writes at most `len` bytes into a local i32.
-            let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, &mut ty as *mut i32 as *mut libc::c_void, &mut len) };
+            let r = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_TYPE,
+                    &mut ty as *mut i32 as *mut libc::c_void,
+                    &mut len,
+                )
+            };
             if r != 0 {
                 return Err(bad(&format!("not an open socket ({})", io::Error::last_os_error())));
             }
             let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
             // SAFETY: as above.
-            unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN, &mut domain as *mut i32 as *mut libc::c_void, &mut len) };
+            unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_DOMAIN,
+                    &mut domain as *mut i32 as *mut libc::c_void,
+                    &mut len,
+                )
+            };
             if ty != libc::SOCK_STREAM || domain != libc::AF_UNIX {
                 return Err(bad("not a Unix stream socket"));
             }
@@ -619,7 +644,6 @@ pub struct Globals {
     /// The system call filter.
     pub seccomp: crate::sandbox::SeccompMode,
 }
-
 
 /// Serves `devices` until SIGINT/SIGTERM (or, for a device on --fd, until
 /// its connection closes), then stops the workers and prints the counters.

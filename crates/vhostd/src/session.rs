@@ -6,10 +6,10 @@ use std::fs::File;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use vhost::VhostUserMemoryRegionBase;
 use vhost::vhost_user::message::*;
 use vhost::vhost_user::{Backend, GpuBackend, VhostUserBackendReqHandlerMut};
 use vhost::vhost_user::{Error as VuError, Result as VuResult};
+use vhost::VhostUserMemoryRegionBase;
 use vhostd_net::{CtrlState, NetConfig, STATUS_LINK_UP};
 use virtq::ring::features as ring_features;
 use virtq::{AddrSpace, GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, SplitConfig, SplitQueue};
@@ -467,7 +467,11 @@ impl VhostUserBackendReqHandlerMut for Session {
             "features acked: {features:#x} ({} ring{}{})",
             if features & ring_features::RING_PACKED != 0 { "packed" } else { "split" },
             if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
-            if self.dev.blk.is_none() && features & vhostd_net::features::MRG_RXBUF != 0 { ", mergeable rx" } else { "" },
+            if self.dev.blk.is_none() && features & vhostd_net::features::MRG_RXBUF != 0 {
+                ", mergeable rx"
+            } else {
+                ""
+            },
         );
         for i in running {
             // A ring that cannot run under the new features stays stopped.
@@ -670,7 +674,8 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         let size = nq as usize * vhostd_blk::inflight::region_size(qs);
         // SAFETY: memfd_create with a static C name; the fd is checked.
-        let fd = unsafe { libc::memfd_create(c"vhostd-inflight".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        let fd =
+            unsafe { libc::memfd_create(c"vhostd-inflight".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(VuError::ReqHandlerError(std::io::Error::last_os_error()));
         }
@@ -717,7 +722,8 @@ impl VhostUserBackendReqHandlerMut for Session {
             *n += 1;
             return Ok(None);
         }
-        let r = Self::map_region(region.guest_phys_addr, region.memory_size, region.user_addr, region.mmap_offset, &fd)?;
+        let r =
+            Self::map_region(region.guest_phys_addr, region.memory_size, region.user_addr, region.mmap_offset, &fd)?;
         let mem = self.mem.with_region(r).map_err(|e| {
             tracing::warn!("ADD_MEM_REG refused: {e}");
             VuError::InvalidOperation("ADD_MEM_REG refused")

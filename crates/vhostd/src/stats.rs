@@ -143,17 +143,59 @@ pub fn prometheus(s: &Value) -> String {
     for d in s["devices"].as_array().unwrap_or(&empty) {
         let dev = d["name"].as_str().unwrap_or("");
         let ty = d["type"].as_str().unwrap_or("");
-        m.add("vhostd_device_info", "gauge", "A device vhostd serves (value 1).", &[("device", dev), ("type", ty), ("endpoint", d["endpoint"].as_str().unwrap_or(""))], 1);
-        m.add("vhostd_device_connected", "gauge", "1 while a frontend is connected.", &[("device", dev)], d["connected"].as_bool().unwrap_or(false) as u64);
-        m.add("vhostd_device_connections_total", "counter", "Frontend connections accepted.", &[("device", dev)], d["connections"].as_u64().unwrap_or(0));
-        m.add("vhostd_device_needs_reset", "gauge", "1 when the guest broke a ring (NEEDS_RESET).", &[("device", dev)], d["needs_reset"].as_bool().unwrap_or(false) as u64);
-        m.add("vhostd_device_failed", "gauge", "1 when the device stopped serving after an error.", &[("device", dev)], !d["failed"].is_null() as u64);
+        m.add(
+            "vhostd_device_info",
+            "gauge",
+            "A device vhostd serves (value 1).",
+            &[("device", dev), ("type", ty), ("endpoint", d["endpoint"].as_str().unwrap_or(""))],
+            1,
+        );
+        m.add(
+            "vhostd_device_connected",
+            "gauge",
+            "1 while a frontend is connected.",
+            &[("device", dev)],
+            d["connected"].as_bool().unwrap_or(false) as u64,
+        );
+        m.add(
+            "vhostd_device_connections_total",
+            "counter",
+            "Frontend connections accepted.",
+            &[("device", dev)],
+            d["connections"].as_u64().unwrap_or(0),
+        );
+        m.add(
+            "vhostd_device_needs_reset",
+            "gauge",
+            "1 when the guest broke a ring (NEEDS_RESET).",
+            &[("device", dev)],
+            d["needs_reset"].as_bool().unwrap_or(false) as u64,
+        );
+        m.add(
+            "vhostd_device_failed",
+            "gauge",
+            "1 when the device stopped serving after an error.",
+            &[("device", dev)],
+            !d["failed"].is_null() as u64,
+        );
         for w in d["workers"].as_array().unwrap_or(&empty) {
             let wk = w["worker"].to_string();
             for (state, k) in [("busy", "busy_iters"), ("idle", "idle_iters")] {
-                m.add("vhostd_worker_poll_iterations_total", "counter", "Dataplane loop passes that moved something (busy) or nothing (idle).", &[("device", dev), ("worker", &wk), ("state", state)], w[k].as_u64().unwrap_or(0));
+                m.add(
+                    "vhostd_worker_poll_iterations_total",
+                    "counter",
+                    "Dataplane loop passes that moved something (busy) or nothing (idle).",
+                    &[("device", dev), ("worker", &wk), ("state", state)],
+                    w[k].as_u64().unwrap_or(0),
+                );
             }
-            m.add("vhostd_worker_sleeps_total", "counter", "Times a dataplane thread went to sleep waiting for a kick.", &[("device", dev), ("worker", &wk)], w["sleeps"].as_u64().unwrap_or(0));
+            m.add(
+                "vhostd_worker_sleeps_total",
+                "counter",
+                "Times a dataplane thread went to sleep waiting for a kick.",
+                &[("device", dev), ("worker", &wk)],
+                w["sleeps"].as_u64().unwrap_or(0),
+            );
         }
         for q in d["queues"].as_array().unwrap_or(&empty) {
             let qi = q["queue"].to_string();
@@ -162,15 +204,40 @@ pub fn prometheus(s: &Value) -> String {
             let dir = q["dir"].as_str().unwrap_or("").to_string();
             if ty == "net" {
                 l.push(("dir", &dir));
-                m.add("vhostd_queue_packets_total", "counter", "Frames moved (tx: guest to backend, rx: backend to guest).", &l, u("packets"));
-                m.add("vhostd_queue_bytes_total", "counter", "Frame bytes moved, virtio-net headers excluded.", &l, u("bytes"));
+                m.add(
+                    "vhostd_queue_packets_total",
+                    "counter",
+                    "Frames moved (tx: guest to backend, rx: backend to guest).",
+                    &l,
+                    u("packets"),
+                );
+                m.add(
+                    "vhostd_queue_bytes_total",
+                    "counter",
+                    "Frame bytes moved, virtio-net headers excluded.",
+                    &l,
+                    u("bytes"),
+                );
                 for (reason, v) in q["drops"].as_object().into_iter().flatten() {
                     let mut lr = l.clone();
                     lr.push(("reason", reason));
-                    m.add("vhostd_queue_dropped_total", "counter", "Frames dropped, by reason.", &lr, v.as_u64().unwrap_or(0));
+                    m.add(
+                        "vhostd_queue_dropped_total",
+                        "counter",
+                        "Frames dropped, by reason.",
+                        &lr,
+                        v.as_u64().unwrap_or(0),
+                    );
                 }
             } else {
-                for (ty, k) in [("read", "reads"), ("write", "writes"), ("flush", "flushes"), ("discard", "discards"), ("write_zeroes", "write_zeroes"), ("get_id", "get_ids")] {
+                for (ty, k) in [
+                    ("read", "reads"),
+                    ("write", "writes"),
+                    ("flush", "flushes"),
+                    ("discard", "discards"),
+                    ("write_zeroes", "write_zeroes"),
+                    ("get_id", "get_ids"),
+                ] {
                     let mut lr = l.clone();
                     lr.push(("type", ty));
                     m.add("vhostd_blk_requests_total", "counter", "virtio-blk requests, by type.", &lr, u(k));
@@ -183,7 +250,13 @@ pub fn prometheus(s: &Value) -> String {
                 for (reason, v) in q["errors"].as_object().into_iter().flatten() {
                     let mut lr = l.clone();
                     lr.push(("reason", reason));
-                    m.add("vhostd_blk_errors_total", "counter", "Requests answered with an error (or not at all: no_status, bad_chain), by reason.", &lr, v.as_u64().unwrap_or(0));
+                    m.add(
+                        "vhostd_blk_errors_total",
+                        "counter",
+                        "Requests answered with an error (or not at all: no_status, bad_chain), by reason.",
+                        &lr,
+                        v.as_u64().unwrap_or(0),
+                    );
                 }
                 m.add("vhostd_blk_max_in_flight", "gauge", "Most requests in flight at once.", &l, u("max_in_flight"));
             }
@@ -193,15 +266,45 @@ pub fn prometheus(s: &Value) -> String {
                 }
                 let mut lr = l.clone();
                 lr.push(("reason", reason));
-                m.add("vhostd_queue_bad_chains_total", "counter", "Malformed descriptor chains dropped, by reason.", &lr, v.as_u64().unwrap_or(0));
+                m.add(
+                    "vhostd_queue_bad_chains_total",
+                    "counter",
+                    "Malformed descriptor chains dropped, by reason.",
+                    &lr,
+                    v.as_u64().unwrap_or(0),
+                );
             }
-            m.add("vhostd_queue_batches_total", "counter", "Batches that moved at least one frame or request.", &l, u("batches"));
+            m.add(
+                "vhostd_queue_batches_total",
+                "counter",
+                "Batches that moved at least one frame or request.",
+                &l,
+                u("batches"),
+            );
             m.add("vhostd_queue_kicks_total", "counter", "Kicks (guest notifications) received.", &l, u("kicks"));
-            m.add("vhostd_queue_notifications_total", "counter", "Interrupts (call eventfd signals) sent to the guest.", &l, u("notifies"));
-            m.add("vhostd_queue_busy_cycles_total", "counter", "TSC cycles of dataplane passes that moved something.", &l, u("busy_cycles"));
+            m.add(
+                "vhostd_queue_notifications_total",
+                "counter",
+                "Interrupts (call eventfd signals) sent to the guest.",
+                &l,
+                u("notifies"),
+            );
+            m.add(
+                "vhostd_queue_busy_cycles_total",
+                "counter",
+                "TSC cycles of dataplane passes that moved something.",
+                &l,
+                u("busy_cycles"),
+            );
         }
     }
-    m.add("vhostd_tsc_hz", "gauge", "TSC ticks per second (busy cycles to seconds).", &[], s["tsc_hz"].as_u64().unwrap_or(0));
+    m.add(
+        "vhostd_tsc_hz",
+        "gauge",
+        "TSC ticks per second (busy cycles to seconds).",
+        &[],
+        s["tsc_hz"].as_u64().unwrap_or(0),
+    );
     m.text()
 }
 
@@ -245,12 +348,8 @@ pub fn table(a: &Value, b: &Value) -> String {
     let dt = (b["uptime_s"].as_f64().unwrap_or(0.0) - a["uptime_s"].as_f64().unwrap_or(0.0)).max(1e-9);
     let hz = b["tsc_hz"].as_f64().unwrap_or(0.0);
     let empty = vec![];
-    let mut out = format!(
-        "vhostd pid {}, up {:.0} s; rates over {:.1} s\n",
-        b["pid"],
-        b["uptime_s"].as_f64().unwrap_or(0.0),
-        dt
-    );
+    let mut out =
+        format!("vhostd pid {}, up {:.0} s; rates over {:.1} s\n", b["pid"], b["uptime_s"].as_f64().unwrap_or(0.0), dt);
     for (i, d) in b["devices"].as_array().unwrap_or(&empty).iter().enumerate() {
         let da = &a["devices"][i];
         let state = if !d["failed"].is_null() {
@@ -270,7 +369,8 @@ pub fn table(a: &Value, b: &Value) -> String {
             state,
             d["connections"]
         );
-        let delta = |q: &Value, qa: &Value, k: &str| q[k].as_u64().unwrap_or(0).saturating_sub(qa[k].as_u64().unwrap_or(0));
+        let delta =
+            |q: &Value, qa: &Value, k: &str| q[k].as_u64().unwrap_or(0).saturating_sub(qa[k].as_u64().unwrap_or(0));
         let rate = |n: u64| si(n as f64 / dt);
         let net = d["type"] == "net";
         if net {
@@ -306,7 +406,9 @@ pub fn table(a: &Value, b: &Value) -> String {
             } else {
                 let (r, w) = (delta(q, qa, "reads"), delta(q, qa, "writes"));
                 let bytes = delta(q, qa, "bytes_read") + delta(q, qa, "bytes_written");
-                let errs = |v: &Value| -> u64 { v["errors"].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum()) };
+                let errs = |v: &Value| -> u64 {
+                    v["errors"].as_object().map_or(0, |o| o.values().filter_map(Value::as_u64).sum())
+                };
                 out += &format!(
                     "  {:>5} {:>8} {:>8} {:>7.1} {:>7} {:>6} {:>8} {:>7} {:>7} {:>4.0}% {:>9} {:>9} {:>9} {:>4}\n",
                     q["queue"],

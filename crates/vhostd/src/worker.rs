@@ -305,11 +305,7 @@ pub fn spawn(
     let wake = EventFd::new(EFD_NONBLOCK)?;
     let pending = Arc::new(AtomicBool::new(false));
     let epoll = Epoll::new()?;
-    epoll.ctl(
-        ControlOperation::Add,
-        wake.as_raw_fd(),
-        EpollEvent::new(EventSet::IN, WAKE_TOKEN),
-    )?;
+    epoll.ctl(ControlOperation::Add, wake.as_raw_fd(), EpollEvent::new(EventSet::IN, WAKE_TOKEN))?;
     match &engine {
         Engine::Net(backend) => {
             if let Some(fd) = backend.rx_fd() {
@@ -346,15 +342,13 @@ pub fn spawn(
         lost_seen: virtq::memory::lost_mappings(),
     };
     let device = device.to_string();
-    let thread = std::thread::Builder::new()
-        .name(format!("vhostd-q{pair}"))
-        .spawn(move || {
-            let _span = tracing::info_span!("dev", device = %device, q = pair).entered();
-            if let Some(cpu) = cpu {
-                pin_to_cpu(cpu);
-            }
-            worker.run()
-        })?;
+    let thread = std::thread::Builder::new().name(format!("vhostd-q{pair}")).spawn(move || {
+        let _span = tracing::info_span!("dev", device = %device, q = pair).entered();
+        if let Some(cpu) = cpu {
+            pin_to_cpu(cpu);
+        }
+        worker.run()
+    })?;
     Ok(WorkerHandle { tx, wake, pending, thread: std::sync::Mutex::new(Some(thread)) })
 }
 
@@ -520,7 +514,10 @@ impl Worker {
                         // Requests a crashed backend left unanswered run again.
                         let n = bq.attach_inflight(log, q, &mut ring.batch, dev);
                         if n > 0 {
-                            tracing::info!(queue = self.pair, "resubmitted {n} request(s) left in flight by a previous backend");
+                            tracing::info!(
+                                queue = self.pair,
+                                "resubmitted {n} request(s) left in flight by a previous backend"
+                            );
                         }
                         ring.notify();
                     }
@@ -529,11 +526,7 @@ impl Worker {
                 Cmd::Detach { slot, reply } => {
                     let ring = &mut self.rings[slot.index()];
                     if let Some(k) = &ring.kick {
-                        let _ = self.epoll.ctl(
-                            ControlOperation::Delete,
-                            k.as_raw_fd(),
-                            EpollEvent::default(),
-                        );
+                        let _ = self.epoll.ctl(ControlOperation::Delete, k.as_raw_fd(), EpollEvent::default());
                     }
                     if let (Engine::Blk { queue: bq, dev }, Some(q)) = (&mut self.engine, ring.queue.as_mut()) {
                         // The backend may still write into the ring's buffers.

@@ -28,8 +28,9 @@ fn inheritable(fd: &OwnedFd) -> io::Result<()> {
 pub fn run(args: XdpHelperArgs) -> io::Result<()> {
     let name = &args.ifname;
     let ctx = |e: io::Error| io::Error::new(e.kind(), format!("xdp-helper: {name}: {e}"));
-    let ifindex = xsk::ifindex(name)
-        .map_err(|_| io::Error::new(io::ErrorKind::NotFound, format!("xdp-helper: no interface '{name}' in this network namespace")))?;
+    let ifindex = xsk::ifindex(name).map_err(|_| {
+        io::Error::new(io::ErrorKind::NotFound, format!("xdp-helper: no interface '{name}' in this network namespace"))
+    })?;
     let end = args.start_queue + args.queues;
     let device_queues = xsk::queue_count(name);
     if let Some(n) = device_queues {

@@ -20,7 +20,24 @@ const T: Duration = Duration::from_secs(20);
 fn veth_ns(queues: u32) -> NetNs {
     let ns = NetNs::new();
     let q = queues.to_string();
-    ns.ip(&["link", "add", "vx0", "numtxqueues", &q, "numrxqueues", &q, "type", "veth", "peer", "name", "vx1", "numtxqueues", &q, "numrxqueues", &q]);
+    ns.ip(&[
+        "link",
+        "add",
+        "vx0",
+        "numtxqueues",
+        &q,
+        "numrxqueues",
+        &q,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "vx1",
+        "numtxqueues",
+        &q,
+        "numrxqueues",
+        &q,
+    ]);
     for i in ["vx0", "vx1"] {
         // No IPv6 chatter (router solicitations) on the test's wire.
         ns.ip(&["link", "set", i, "addrgenmode", "none"]);
@@ -369,15 +386,31 @@ fn an_unprivileged_vhostd_moves_traffic_through_xdp_helper_sockets() {
     let vhostd = env!("CARGO_BIN_EXE_vhostd").to_string();
     let d = Daemon::start_with(Some(&ns), |sock| {
         [
-            "xdp-helper", "--ifname", "vx0", "--queues", "2", "--",
+            "xdp-helper",
+            "--ifname",
+            "vx0",
+            "--queues",
+            "2",
+            "--",
             // nobody, no capabilities at all, none to regain.
-            "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
-            &vhostd, "net", "--socket-path", &sock.display().to_string(), "--queues", "2",
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            &vhostd,
+            "net",
+            "--socket-path",
+            &sock.display().to_string(),
+            "--queues",
+            "2",
             // Small rings: 2 x 2 MiB of UMEM fits the default 8 MiB
             // RLIMIT_MEMLOCK, which a helper without CAP_SYS_RESOURCE
             // cannot raise.
-            "--backend", "af-xdp,ifname=vx0,queues=2,inhibit=on,sock-fds={sock-fds},rx-ring=256,tx-ring=256",
+            "--backend",
+            "af-xdp,ifname=vx0,queues=2,inhibit=on,sock-fds={sock-fds},rx-ring=256,tx-ring=256",
         ]
         .iter()
         .map(|s| s.to_string())

@@ -152,7 +152,8 @@ fn print_capabilities_as_the_convention_says() {
 /// (docs/interop/vhost-user.json: VHostUserBackend).
 #[test]
 fn descriptors_are_valid_and_installable() {
-    for (file, ty, prog) in [("50-vhostd-net.json", "net", "vhostd-net"), ("50-vhostd-blk.json", "block", "vhostd-blk")] {
+    for (file, ty, prog) in [("50-vhostd-net.json", "net", "vhostd-net"), ("50-vhostd-blk.json", "block", "vhostd-blk")]
+    {
         let text = std::fs::read_to_string(repo().join("contrib/vhost-user").join(file)).unwrap();
         let v: Value = serde_json::from_str(&text).unwrap();
         let o = v.as_object().unwrap();
@@ -174,9 +175,10 @@ fn descriptors_are_valid_and_installable() {
         .unwrap();
     assert!(st.success());
     for t in ["net", "blk"] {
-        let v: Value =
-            serde_json::from_str(&std::fs::read_to_string(dest.join(format!("etc/qemu/vhost-user/50-vhostd-{t}.json"))).unwrap())
-                .unwrap();
+        let v: Value = serde_json::from_str(
+            &std::fs::read_to_string(dest.join(format!("etc/qemu/vhost-user/50-vhostd-{t}.json"))).unwrap(),
+        )
+        .unwrap();
         let bin = v["binary"].as_str().unwrap();
         assert_eq!(bin, format!("/opt/vhostd/libexec/vhostd/vhostd-{t}"));
         let target = std::fs::read_link(dest.join(bin.trim_start_matches('/'))).unwrap();
@@ -237,7 +239,8 @@ fn launched_like_libvirt_with_fd() {
     assert!(out.contains("stats total reads="), "{out}");
 
     // Read-only, as the `read-only` feature promises; and a net device.
-    let (p, sock) = launch_with_fd(&prog, &["--fd=9".into(), format!("--blk-file={}", img.display()), "--read-only".into()], 9);
+    let (p, sock) =
+        launch_with_fd(&prog, &["--fd=9".into(), format!("--blk-file={}", img.display()), "--read-only".into()], 9);
     let dev = VirtioUser::from_stream(sock, Options::blk("unused")).unwrap();
     assert_ne!(dev.features() & vhostd_user::features::BLK_RO, 0);
     drop(dev);
@@ -275,7 +278,11 @@ fn fd_that_is_not_a_socket_is_refused() {
     // SAFETY: dup2 between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            if fd == 5 { libc::fcntl(fd, libc::F_SETFD, 0); } else { libc::dup2(fd, 5); }
+            if fd == 5 {
+                libc::fcntl(fd, libc::F_SETFD, 0);
+            } else {
+                libc::dup2(fd, 5);
+            }
             Ok(())
         });
     }
@@ -360,7 +367,10 @@ fn one_daemon_many_devices_with_stats_and_metrics() {
     let devs = s["devices"].as_array().unwrap();
     assert_eq!(devs.len(), 2);
     let n0 = &devs[0];
-    assert_eq!((n0["name"].as_str(), n0["type"].as_str(), n0["connected"].as_bool()), (Some("n0"), Some("net"), Some(true)));
+    assert_eq!(
+        (n0["name"].as_str(), n0["type"].as_str(), n0["connected"].as_bool()),
+        (Some("n0"), Some("net"), Some(true))
+    );
     let q = |d: &Value, i: u64| d["queues"].as_array().unwrap().iter().find(|q| q["queue"] == i).unwrap().clone();
     assert_eq!(q(n0, 1)["packets"], 100, "tx queue 1");
     assert_eq!(q(n0, 0)["packets"], 100, "rx queue 0");
@@ -502,7 +512,11 @@ fn unit_files_verify() {
         let bad: Vec<&str> = err
             .lines()
             .filter(|l| l.contains(name) || l.contains("vhostd"))
-            .filter(|l| !l.contains("Failed to prepare filename") && !l.contains("No such file") && !l.contains("Unknown key name 'Before'"))
+            .filter(|l| {
+                !l.contains("Failed to prepare filename")
+                    && !l.contains("No such file")
+                    && !l.contains("Unknown key name 'Before'")
+            })
             .collect();
         assert!(bad.is_empty(), "systemd-analyze verify {name}:\n{err}");
     }
@@ -525,7 +539,8 @@ fn json_log_lines_parse() {
     let log = p.stderr();
     let (code, _) = p.stop();
     assert_eq!(code, 0);
-    let json: Vec<Value> = log.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect(l)).collect();
+    let json: Vec<Value> =
+        log.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).expect(l)).collect();
     assert!(json.len() >= 2, "{log}");
     let conn = json.iter().find(|v| v["message"] == "frontend connected").expect("a 'frontend connected' record");
     assert_eq!(conn["level"], "INFO");
@@ -539,7 +554,15 @@ fn man_page_is_current() {
     assert_eq!(code, 0, "{err}");
     let committed = std::fs::read_to_string(repo().join("doc/vhostd.1")).unwrap();
     assert!(page == committed, "doc/vhostd.1 is stale: run `target/release/vhostd man > doc/vhostd.1`");
-    for want in [".TH vhostd 1", "\\-\\-config", ".SH \"VHOSTD NET\"", ".SH \"VHOSTD BLK\"", "\\-\\-socket\\-path", "\\-\\-print\\-capabilities", "CONFIGURATION FILE"] {
+    for want in [
+        ".TH vhostd 1",
+        "\\-\\-config",
+        ".SH \"VHOSTD NET\"",
+        ".SH \"VHOSTD BLK\"",
+        "\\-\\-socket\\-path",
+        "\\-\\-print\\-capabilities",
+        "CONFIGURATION FILE",
+    ] {
         assert!(page.contains(want), "man page lacks {want}");
     }
 }
@@ -602,7 +625,11 @@ fn seccomp_filter_is_on_once_serving() {
         let mut p = Proc::spawn(cmd);
         assert!(p.wait_log("vhostd: listening on"));
         // The filter goes on right after the listening line: wait for it.
-        assert!(wait_until(T, || proc_status(p.pid(), "Seccomp") == want), "{mode:?}: Seccomp {}", proc_status(p.pid(), "Seccomp"));
+        assert!(
+            wait_until(T, || proc_status(p.pid(), "Seccomp") == want),
+            "{mode:?}: Seccomp {}",
+            proc_status(p.pid(), "Seccomp")
+        );
         if want == "2" {
             assert_eq!(proc_status(p.pid(), "NoNewPrivs"), "1");
             // Serving works under the filter: a frame round trip.
@@ -632,7 +659,15 @@ fn unprivileged_with_handed_in_socket() {
     std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
     std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o666)).unwrap();
     let args: Vec<String> = [
-        "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", VHOSTD, "blk", "--fd=7",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        VHOSTD,
+        "blk",
+        "--fd=7",
     ]
     .iter()
     .map(|s| s.to_string())

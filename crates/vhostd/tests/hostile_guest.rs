@@ -265,8 +265,7 @@ fn connect_with(vd: &Vd, extra: u64, edit: impl FnOnce(&mut Options)) -> Conn {
     let raw = sock.try_clone().unwrap();
     let mut o = options(vd, extra);
     edit(&mut o);
-    let dev = VirtioUser::from_stream(sock, o)
-        .unwrap_or_else(|e| panic!("connect: {e}; vhostd log:\n{}", vd.d.log()));
+    let dev = VirtioUser::from_stream(sock, o).unwrap_or_else(|e| panic!("connect: {e}; vhostd log:\n{}", vd.d.log()));
     assert_eq!(dev.packed(), extra & f::RING_PACKED != 0);
     Conn { dev, raw }
 }
@@ -485,7 +484,6 @@ impl Ring {
     }
 }
 
-
 fn layout(packed: bool) -> u64 {
     if packed {
         f::RING_PACKED
@@ -593,11 +591,7 @@ fn net_tx_opt(vd: &Vd, extra: u64, qsize: u16, gpa_base: u64, start: bool) -> Ne
     let bufs = c.dev.memory().alloc(QSIZE as u64 * 2048, 64).unwrap();
     let rx = RxQueue::new(rxq, bufs, 2048, HDR, mrg).unwrap();
     c.dev.start_queue(&rx.queue).unwrap();
-    let tx = if start {
-        c.raw_ring(1, qsize)
-    } else {
-        Ring::new(c.dev.create_queue(1, qsize, None).unwrap())
-    };
+    let tx = if start { c.raw_ring(1, qsize) } else { Ring::new(c.dev.create_queue(1, qsize, None).unwrap()) };
     let area = c.dev.memory().alloc(64 * 2048, 64).unwrap();
     let other = pair(&mut c, 1);
     NetTx { c, rx, tx, other, area, slot: 0, seq: 0 }
@@ -666,7 +660,14 @@ fn tx_case(packed: bool, extra: u64, qsize: u16, want: NetQ, body: impl FnOnce(&
 }
 
 /// `tx_case` with guest memory at guest-physical `gpa_base`.
-fn tx_case_at(packed: bool, extra: u64, qsize: u16, gpa_base: u64, want: NetQ, body: impl FnOnce(&mut NetTx, &Vd) -> bool) {
+fn tx_case_at(
+    packed: bool,
+    extra: u64,
+    qsize: u16,
+    gpa_base: u64,
+    want: NetQ,
+    body: impl FnOnce(&mut NetTx, &Vd) -> bool,
+) {
     let vd = net_daemon();
     let extra = extra | layout(packed);
     let mut t = net_tx(&vd, extra, qsize, gpa_base);
@@ -816,11 +817,8 @@ fn tx_avail_index_rewound_split() {
 fn tx_outside_memory(packed: bool) {
     tx_case(packed, 0, QSIZE, NetQ { bad: address(3), ..NetQ::default() }, |t, _| {
         let end = t.c.mem_end();
-        let ids = [
-            t.tx.chain(&[B(1 << 40, 112, 0)]),
-            t.tx.chain(&[B(u64::MAX - 15, 112, 0)]),
-            t.tx.chain(&[B(end, 1, 0)]),
-        ];
+        let ids =
+            [t.tx.chain(&[B(1 << 40, 112, 0)]), t.tx.chain(&[B(u64::MAX - 15, 112, 0)]), t.tx.chain(&[B(end, 1, 0)])];
         assert_eq!(t.used_empty(3), ids.to_vec());
         false
     });
@@ -930,7 +928,8 @@ fn tx_4gib_lengths_packed() {
 fn tx_writable(packed: bool) {
     tx_case(packed, 0, QSIZE, NetQ { bad: direction(2), ..NetQ::default() }, |t, _| {
         let (b, _) = t.frame_buf();
-        let ids = [t.tx.chain(&[B(b.0, b.1, WRITE)]), t.tx.chain(&[B(b.0, HDR as u32, 0), B(b.0 + HDR as u64, 100, WRITE)])];
+        let ids =
+            [t.tx.chain(&[B(b.0, b.1, WRITE)]), t.tx.chain(&[B(b.0, HDR as u32, 0), B(b.0 + HDR as u64, 100, WRITE)])];
         assert_eq!(t.used_empty(2), ids.to_vec());
         false
     });
@@ -1153,14 +1152,20 @@ fn tx_indirect_table_placement_packed() {
 /// past the table's end (index).
 #[test]
 fn tx_indirect_table_loop_and_next_past_its_end_split() {
-    tx_case(false, f::INDIRECT_DESC, QSIZE, NetQ { bad: Bad { lp: 1, index: 1, ..NONE }, ..NetQ::default() }, |t, _| {
-        let (b, _) = t.frame_buf();
-        let looped = t.c.table(&[E(b.0, 8, NEXT, 1), E(b.0 + 8, 8, NEXT, 2), E(b.0 + 16, 8, NEXT, 1)]);
-        let past = t.c.table(&[E(b.0, HDR as u32, NEXT, 1), E(b.0 + HDR as u64, 100, NEXT, 2)]);
-        let ids = [t.tx.chain(&[B(looped, 48, INDIRECT)]), t.tx.chain(&[B(past, 32, INDIRECT)])];
-        assert_eq!(t.used_empty(2), ids.to_vec());
-        false
-    });
+    tx_case(
+        false,
+        f::INDIRECT_DESC,
+        QSIZE,
+        NetQ { bad: Bad { lp: 1, index: 1, ..NONE }, ..NetQ::default() },
+        |t, _| {
+            let (b, _) = t.frame_buf();
+            let looped = t.c.table(&[E(b.0, 8, NEXT, 1), E(b.0 + 8, 8, NEXT, 2), E(b.0 + 16, 8, NEXT, 1)]);
+            let past = t.c.table(&[E(b.0, HDR as u32, NEXT, 1), E(b.0 + HDR as u64, 100, NEXT, 2)]);
+            let ids = [t.tx.chain(&[B(looped, 48, INDIRECT)]), t.tx.chain(&[B(past, 32, INDIRECT)])];
+            assert_eq!(t.used_empty(2), ids.to_vec());
+            false
+        },
+    );
 }
 
 // ---- packed wrap counters, rewritten descriptors, a worker on a broken ring
@@ -1804,7 +1809,10 @@ fn ring_addresses(packed: bool) {
     for (what, cfg) in &bad {
         assert!(t.c.dev.frontend().set_vring_addr(1, cfg).is_err(), "{what}: accepted");
         assert!(!t.c.needs_reset(), "{what}");
-        t.c.dev.frontend().set_vring_addr(1, &good).unwrap_or_else(|e| panic!("{what}: good addresses refused after: {e}"));
+        t.c.dev
+            .frontend()
+            .set_vring_addr(1, &good)
+            .unwrap_or_else(|e| panic!("{what}: good addresses refused after: {e}"));
         t.still_sends();
     }
     if packed {
@@ -1863,7 +1871,6 @@ fn packed_ring_of_48_entries_is_served() {
     vd.stop();
 }
 
-
 /// Misaligned ring addresses (a guest writes its queue addresses; QEMU
 /// passes them on) must be refused like any other bad address: an error
 /// reply to SET_VRING_ADDR, the connection kept.
@@ -1882,7 +1889,10 @@ fn misaligned_ring_addresses(packed: bool) {
         assert!(r.is_err(), "{what}: accepted");
         assert!(!t.c.dev.backend_gone(), "{what}: vhostd closed the connection ({r:?})");
         assert!(!t.c.needs_reset(), "{what}");
-        t.c.dev.frontend().set_vring_addr(1, &good).unwrap_or_else(|e| panic!("{what}: good addresses refused after: {e}"));
+        t.c.dev
+            .frontend()
+            .set_vring_addr(1, &good)
+            .unwrap_or_else(|e| panic!("{what}: good addresses refused after: {e}"));
         t.still_sends();
     }
     t.finish(&vd, false, extra);
@@ -2165,25 +2175,31 @@ fn blk_4gib_of_data_packed() {
 /// earlier, as a direction error: readable after writable.)
 #[test]
 fn blk_descriptor_loops_and_nested_tables_split() {
-    blk_case(false, f::INDIRECT_DESC, QSIZE, BlkQ { bad: Bad { lp: 2, indirect: 1, ..NONE }, ..BlkQ::default() }, |t, _| {
-        let h = t.hdr(blk::types::IN, 0);
-        let (d, s) = (t.buf(), t.buf());
-        // All readable, so that only the loop is wrong.
-        t.q.desc(0, h.0, 16, NEXT, 1);
-        t.q.desc(1, d, 512, NEXT, 0);
-        t.q.post(&[0]);
-        assert_eq!(t.q.wait_used(1), vec![(0, 0)]);
-        t.q.next_desc = 2;
-        let looped = t.c.table(&[E(h.0, 16, NEXT, 1), E(d, 512, NEXT, 0)]);
-        assert_eq!(t.run(&[B(looped, 32, INDIRECT)]), 0);
-        let good = t.c.table(&[E(h.0, 16, NEXT, 1), E(d, 512, NEXT | WRITE, 2), E(s, 1, WRITE, 0)]);
-        let nested = t.c.table(&[E(h.0, 16, NEXT, 1), E(good, 48, INDIRECT, 0)]);
-        assert_eq!(t.run(&[B(nested, 32, INDIRECT)]), 0);
-        assert_eq!(t.byte(s), UNWRITTEN);
-        assert_eq!(t.run(&[B(good, 48, INDIRECT)]), 513);
-        assert_eq!(t.byte(s), status::OK);
-        false
-    });
+    blk_case(
+        false,
+        f::INDIRECT_DESC,
+        QSIZE,
+        BlkQ { bad: Bad { lp: 2, indirect: 1, ..NONE }, ..BlkQ::default() },
+        |t, _| {
+            let h = t.hdr(blk::types::IN, 0);
+            let (d, s) = (t.buf(), t.buf());
+            // All readable, so that only the loop is wrong.
+            t.q.desc(0, h.0, 16, NEXT, 1);
+            t.q.desc(1, d, 512, NEXT, 0);
+            t.q.post(&[0]);
+            assert_eq!(t.q.wait_used(1), vec![(0, 0)]);
+            t.q.next_desc = 2;
+            let looped = t.c.table(&[E(h.0, 16, NEXT, 1), E(d, 512, NEXT, 0)]);
+            assert_eq!(t.run(&[B(looped, 32, INDIRECT)]), 0);
+            let good = t.c.table(&[E(h.0, 16, NEXT, 1), E(d, 512, NEXT | WRITE, 2), E(s, 1, WRITE, 0)]);
+            let nested = t.c.table(&[E(h.0, 16, NEXT, 1), E(good, 48, INDIRECT, 0)]);
+            assert_eq!(t.run(&[B(nested, 32, INDIRECT)]), 0);
+            assert_eq!(t.byte(s), UNWRITTEN);
+            assert_eq!(t.run(&[B(good, 48, INDIRECT)]), 513);
+            assert_eq!(t.byte(s), status::OK);
+            false
+        },
+    );
 }
 
 /// Indirect tables on a packed blk queue: a table inside a table, and a
@@ -2232,7 +2248,6 @@ fn blk_chain_cut_short_packed() {
         true
     });
 }
-
 
 // ---- the frontend (not the guest): memory shrunk under vhostd -------------
 

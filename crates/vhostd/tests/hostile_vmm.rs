@@ -653,7 +653,13 @@ fn a_size_past_the_payload_limit_closes_the_connection_at_once() {
     let w = Watch::new(&d);
     // The payload limit is 4096 bytes; vhostd must not wait for (or
     // allocate) the announced payload: the connection stays open on our side.
-    for (code, size) in [(SET_FEATURES, 4097u32), (SET_FEATURES, 1 << 20), (SET_FEATURES, u32::MAX), (SET_VRING_ENABLE, 4097), (SET_MEM_TABLE, u32::MAX)] {
+    for (code, size) in [
+        (SET_FEATURES, 4097u32),
+        (SET_FEATURES, 1 << 20),
+        (SET_FEATURES, u32::MAX),
+        (SET_VRING_ENABLE, 4097),
+        (SET_MEM_TABLE, u32::MAX),
+    ] {
         let mut r = Raw::net(&d);
         let mut msg = vhost_user_msg(code, NEED_REPLY, &[0u8; 8]);
         msg[8..12].copy_from_slice(&size.to_le_bytes());
@@ -714,7 +720,9 @@ fn wrong_sizes_for_fixed_size_messages_close_the_connection() {
     }
     // SET_MEM_TABLE whose size does not match its region count: the error
     // is acknowledged, then the connection is closed.
-    for (what, len) in [("SET_MEM_TABLE with 1 region in 24 bytes", 24usize), ("SET_MEM_TABLE with 1 region in 72 bytes", 72)] {
+    for (what, len) in
+        [("SET_MEM_TABLE with 1 region in 24 bytes", 24usize), ("SET_MEM_TABLE with 1 region in 72 bytes", 72)]
+    {
         let mut r = Raw::net(&d);
         let mut body = mem_table(&[reg(0, MIB, UADDR, 0)]);
         body.resize(len, 0);
@@ -748,7 +756,9 @@ fn missing_file_descriptors() {
     r.expect_ack(SET_MEM_TABLE, 1, "SET_MEM_TABLE with 2 regions and 1 fd");
     r.expect_closed("SET_MEM_TABLE with 2 regions and 1 fd");
     // Ring eventfds announced (bit 8 clear) but not attached: closed.
-    for (what, code) in [("SET_VRING_KICK", SET_VRING_KICK), ("SET_VRING_CALL", SET_VRING_CALL), ("SET_VRING_ERR", SET_VRING_ERR)] {
+    for (what, code) in
+        [("SET_VRING_KICK", SET_VRING_KICK), ("SET_VRING_CALL", SET_VRING_CALL), ("SET_VRING_ERR", SET_VRING_ERR)]
+    {
         let mut r = Raw::net(&d);
         r.send(code, NEED_REPLY, &u64b(0));
         r.expect_closed(&format!("{what} without the fd it announces"));
@@ -787,7 +797,9 @@ fn add_mem_reg_without_its_fd_is_answered() {
     let mut r = Raw::net(&d);
     r.send(ADD_MEM_REG, NEED_REPLY, &single_region(reg(0, MIB, UADDR, 0)));
     match r.recv(REPLY_T) {
-        Got::Msg { code: ADD_MEM_REG, flags: REPLY_FLAGS, body } => assert_ne!(body, u64b(0), "acknowledged as a success"),
+        Got::Msg { code: ADD_MEM_REG, flags: REPLY_FLAGS, body } => {
+            assert_ne!(body, u64b(0), "acknowledged as a success")
+        }
         Got::Closed => {}
         g => panic!("ADD_MEM_REG without its fd: expected an error ack or a close, got {g:?}"),
     }
@@ -1024,7 +1036,9 @@ fn vring_requests_for_queues_that_do_not_exist() {
     }
     // KICK/CALL/ERR carry an 8-bit index.
     for index in [3u64, 4, 255] {
-        for (what, code) in [("SET_VRING_KICK", SET_VRING_KICK), ("SET_VRING_CALL", SET_VRING_CALL), ("SET_VRING_ERR", SET_VRING_ERR)] {
+        for (what, code) in
+            [("SET_VRING_KICK", SET_VRING_KICK), ("SET_VRING_CALL", SET_VRING_CALL), ("SET_VRING_ERR", SET_VRING_ERR)]
+        {
             let e = eventfd();
             r.send_fds(code, NEED_REPLY, &u64b(index), &[e.as_raw_fd()]);
             r.expect_ack(code, 1, &format!("{what} {index} with an fd"));
@@ -1294,7 +1308,14 @@ fn unknown_and_unserved_request_codes_close_the_connection() {
     }
     // Headers the generic parser refuses: version 0, 2, 3, the reply
     // flag on a request, reserved flag bits.
-    for (what, flags) in [("version 0", 0u32), ("version 2", 2), ("version 3", 3), ("reply flag", 1 | REPLY), ("reserved flag bit 4", 1 | 0x10), ("reserved flag bit 31", 1 | 1 << 31)] {
+    for (what, flags) in [
+        ("version 0", 0u32),
+        ("version 2", 2),
+        ("version 3", 3),
+        ("reply flag", 1 | REPLY),
+        ("reserved flag bit 4", 1 | 0x10),
+        ("reserved flag bit 31", 1 | 1 << 31),
+    ] {
         let mut r = Raw::net(&d);
         let mut msg = vhost_user_msg(GET_FEATURES, 0, &[]);
         msg[4..8].copy_from_slice(&flags.to_le_bytes());
@@ -1309,8 +1330,14 @@ fn vhostds_own_requests_check_their_headers() {
     let d = net_daemon();
     let w = Watch::new(&d);
     let mut accepted = Vec::new();
-    for (name, code, body) in [("SET_STATUS", SET_STATUS, u64b(1)), ("GET_STATUS", GET_STATUS, vec![]), ("SET_VRING_ENABLE", SET_VRING_ENABLE, state(0, 1))] {
-        for (what, flags) in [("version 0", 0u32), ("version 2", 2), ("reply flag", 1 | REPLY), ("reserved flag bit 4", 1 | 0x10)] {
+    for (name, code, body) in [
+        ("SET_STATUS", SET_STATUS, u64b(1)),
+        ("GET_STATUS", GET_STATUS, vec![]),
+        ("SET_VRING_ENABLE", SET_VRING_ENABLE, state(0, 1)),
+    ] {
+        for (what, flags) in
+            [("version 0", 0u32), ("version 2", 2), ("reply flag", 1 | REPLY), ("reserved flag bit 4", 1 | 0x10)]
+        {
             let mut r = Raw::net(&d);
             let mut msg = vhost_user_msg(code, 0, &body);
             msg[4..8].copy_from_slice(&flags.to_le_bytes());
@@ -1344,8 +1371,11 @@ fn a_frontend_that_disconnects_mid_message_while_rings_run() {
     // a header: each time with traffic flowing on a running pair.
     let table = vhost_user_msg(SET_MEM_TABLE, NEED_REPLY, &mem_table(&[reg(0, MIB, UADDR, 0)]));
     let addr = vhost_user_msg(SET_VRING_ADDR, NEED_REPLY, &vring_addr(1, UADDR, UADDR + 8192, UADDR + 4096));
-    let cases: [(&str, &[u8], &[RawFd]); 3] =
-        [("SET_MEM_TABLE", &table[..30], &[mem.as_raw_fd()]), ("SET_VRING_ADDR", &addr[..20], &[]), ("a header", &addr[..7], &[])];
+    let cases: [(&str, &[u8], &[RawFd]); 3] = [
+        ("SET_MEM_TABLE", &table[..30], &[mem.as_raw_fd()]),
+        ("SET_VRING_ADDR", &addr[..20], &[]),
+        ("a header", &addr[..7], &[]),
+    ];
     for (_what, bytes, fds) in cases {
         let sock = UnixStream::connect(&d.sock).unwrap();
         let mut r = Raw { s: sock.try_clone().unwrap() };
@@ -1537,7 +1567,11 @@ fn set_features_with_features_not_offered_is_refused() {
     let w = Watch::new(&d);
     let mut r = Raw::blk(&d);
     for (what, bits) in [("IN_ORDER", f::IN_ORDER), ("BLK_RO", f::BLK_RO), ("NET_MRG_RXBUF (bit 15)", 1 << 15)] {
-        r.refused(SET_FEATURES, &u64b(f::VERSION_1 | f::PROTOCOL_FEATURES | bits), &format!("blk SET_FEATURES with {what}"));
+        r.refused(
+            SET_FEATURES,
+            &u64b(f::VERSION_1 | f::PROTOCOL_FEATURES | bits),
+            &format!("blk SET_FEATURES with {what}"),
+        );
     }
     r.expect_alive(BLK_OFFERED, "blk after refused SET_FEATURES");
     drop(r);
@@ -1623,7 +1657,8 @@ fn a_shrunk_inflight_memfd_does_not_kill_vhostd() {
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
         // The ring starts with the (now empty) inflight region; a request
         // marks its head there.
-        let r = dev.blk_queue_sized(0, 4, 4096, Some(128)).and_then(|mut q| q.run_one(BlkOp::Read { sector: 0, len: 512 }));
+        let r =
+            dev.blk_queue_sized(0, 4, 4096, Some(128)).and_then(|mut q| q.run_one(BlkOp::Read { sector: 0, len: 512 }));
         if let Some(how) = ended(pid) {
             panic!("vhostd {how} after the inflight memfd shrank (request: {r:?})");
         }

@@ -321,7 +321,11 @@ impl RawPair {
         let mut data = vec![0u8; 12];
         data.extend_from_slice(&fr);
         assert!(self.dev.memory().driver_memory().write(gpa, &data));
-        self.txq.ring.split().unwrap().write_desc(i, Descriptor { addr: gpa, len: data.len() as u32, flags: 0, next: 0 });
+        self.txq
+            .ring
+            .split()
+            .unwrap()
+            .write_desc(i, Descriptor { addr: gpa, len: data.len() as u32, flags: 0, next: 0 });
         fr
     }
 
@@ -687,7 +691,10 @@ fn with_in_order_a_tx_batch_takes_one_used_entry_on_both_ring_layouts() {
         let s = d.stop();
         assert_eq!(s.queue(1, "packets"), 5000);
         let skipped = s.queue(1, "used_skipped");
-        assert!(skipped > 0 && skipped < 5000, "packed={packed}: {skipped} chains completed without their own used entry");
+        assert!(
+            skipped > 0 && skipped < 5000,
+            "packed={packed}: {skipped} chains completed without their own used entry"
+        );
         assert!(s.queue(1, "fast_chains") > 0);
     }
 }
@@ -710,7 +717,9 @@ fn cpu_ticks(pid: i32) -> u64 {
 
 #[test]
 fn adaptive_mode_spins_while_busy_and_sleeps_when_idle() {
-    for (args, idle_busy) in [(&["--mode", "adaptive", "--poll-idle-us", "200"][..], false), (&["--mode", "poll"][..], true)] {
+    for (args, idle_busy) in
+        [(&["--mode", "adaptive", "--poll-idle-us", "200"][..], false), (&["--mode", "poll"][..], true)]
+    {
         let d = Daemon::start(&[&["--backend", "loopback"], args].concat());
         let mut dev = d.connect();
         let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();

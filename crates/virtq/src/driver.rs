@@ -115,12 +115,7 @@ impl RingLayout {
         let desc = align_up(base, 64);
         let avail = desc + desc_table_size(size);
         let used = align_up(avail + avail_ring_size(size), 64);
-        RingLayout {
-            size,
-            desc,
-            avail,
-            used,
-        }
+        RingLayout { size, desc, avail, used }
     }
 
     /// First byte after the rings (64-aligned).
@@ -300,19 +295,12 @@ impl SplitDriver {
     /// A driver queue over rings at `layout` in `mem`, which it zeroes
     /// (a fresh ring: all indexes 0). `features` are the negotiated device
     /// features (EVENT_IDX matters here).
-    pub fn new(
-        mem: DriverMemory,
-        layout: RingLayout,
-        features: u64,
-    ) -> Result<SplitDriver, DriverError> {
+    pub fn new(mem: DriverMemory, layout: RingLayout, features: u64) -> Result<SplitDriver, DriverError> {
         let n = layout.size;
         if n == 0 || n > MAX_QUEUE_SIZE || !n.is_power_of_two() {
             return Err(DriverError::BadSize);
         }
-        if !layout.desc.is_multiple_of(16)
-            || !layout.avail.is_multiple_of(2)
-            || !layout.used.is_multiple_of(4)
-        {
+        if !layout.desc.is_multiple_of(16) || !layout.avail.is_multiple_of(2) || !layout.used.is_multiple_of(4) {
             return Err(DriverError::Misaligned);
         }
         let (dl, al, ul) = (desc_table_size(n), avail_ring_size(n), used_ring_size(n));
@@ -369,11 +357,7 @@ impl SplitDriver {
         }
         let bytes = self.layout.size as u64 * max_per_chain as u64 * DESC_SIZE;
         let host = self.mem.host(gpa, bytes).ok_or(DriverError::NotMapped)?;
-        self.indirect = Some(IndirectPool {
-            gpa,
-            host,
-            max: max_per_chain,
-        });
+        self.indirect = Some(IndirectPool { gpa, host, max: max_per_chain });
         Ok(())
     }
 
@@ -457,11 +441,7 @@ impl SplitDriver {
 
     /// Reads avail.ring[slot & mask].
     pub fn read_avail_ring(&self, slot: u16) -> u16 {
-        self.load16(
-            self.avail,
-            AVAIL_RING + 2 * (slot & self.mask) as usize,
-            Ordering::Relaxed,
-        )
+        self.load16(self.avail, AVAIL_RING + 2 * (slot & self.mask) as usize, Ordering::Relaxed)
     }
 
     /// Stores avail.idx directly (release), bypassing all bookkeeping: for
@@ -485,21 +465,12 @@ impl SplitDriver {
 
     /// Writes used_event (the avail ring's trailing field).
     pub fn set_used_event(&mut self, v: u16) {
-        self.store16(
-            self.avail,
-            AVAIL_RING + 2 * self.layout.size as usize,
-            v,
-            Ordering::Relaxed,
-        )
+        self.store16(self.avail, AVAIL_RING + 2 * self.layout.size as usize, v, Ordering::Relaxed)
     }
 
     /// Reads used_event.
     pub fn used_event(&self) -> u16 {
-        self.load16(
-            self.avail,
-            AVAIL_RING + 2 * self.layout.size as usize,
-            Ordering::Relaxed,
-        )
+        self.load16(self.avail, AVAIL_RING + 2 * self.layout.size as usize, Ordering::Relaxed)
     }
 
     /// used.idx (acquire: entries below it may be read afterwards).
@@ -514,11 +485,7 @@ impl SplitDriver {
 
     /// avail_event (the used ring's trailing field).
     pub fn avail_event(&self) -> u16 {
-        self.load16(
-            self.used,
-            USED_RING + 8 * self.layout.size as usize,
-            Ordering::Relaxed,
-        )
+        self.load16(self.used, USED_RING + 8 * self.layout.size as usize, Ordering::Relaxed)
     }
 
     /// used.ring[slot & mask] as (id, len), raw.
@@ -528,10 +495,7 @@ impl SplitDriver {
         // two u32 are aligned.
         let (id, len) = unsafe {
             let p = self.used.add(off) as *const u32;
-            (
-                std::ptr::read_volatile(p),
-                std::ptr::read_volatile(p.add(1)),
-            )
+            (std::ptr::read_volatile(p), std::ptr::read_volatile(p.add(1)))
         };
         (u32::from_le(id) as u16, u32::from_le(len))
     }
@@ -545,12 +509,7 @@ impl SplitDriver {
 
     /// Makes a chain of `readable` then `writable` buffers available (not yet
     /// published: call `publish`). Returns the head.
-    pub fn add(
-        &mut self,
-        readable: &[Buf],
-        writable: &[Buf],
-        token: u64,
-    ) -> Result<u16, DriverError> {
+    pub fn add(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
         let head = self.prepare(readable, writable, token)?;
         self.push_avail(head);
         Ok(head)
@@ -559,12 +518,7 @@ impl SplitDriver {
     /// Builds a chain like `add` but keeps it aside (a kept chain) instead of
     /// making it available: `repost` posts it, as often as it comes back.
     /// This is how fixed buffers get their descriptors written once.
-    pub fn prepare(
-        &mut self,
-        readable: &[Buf],
-        writable: &[Buf],
-        token: u64,
-    ) -> Result<u16, DriverError> {
+    pub fn prepare(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
         let total = readable.len() + writable.len();
         if total == 0 || total > self.layout.size as usize {
             return Err(DriverError::BadChain);
@@ -575,49 +529,27 @@ impl SplitDriver {
         let head = self.free_head;
         let mut cur = head;
         let mut i = 0;
-        for (b, w) in readable
-            .iter()
-            .map(|b| (b, false))
-            .chain(writable.iter().map(|b| (b, true)))
-        {
+        for (b, w) in readable.iter().map(|b| (b, false)).chain(writable.iter().map(|b| (b, true))) {
             i += 1;
             let nxt = self.next[cur as usize];
             let mut flags = if w { VRING_DESC_F_WRITE } else { 0 };
             if i < total {
                 flags |= VRING_DESC_F_NEXT;
             }
-            self.write_desc(
-                cur,
-                Descriptor {
-                    addr: b.addr,
-                    len: b.len,
-                    flags,
-                    next: nxt,
-                },
-            );
+            self.write_desc(cur, Descriptor { addr: b.addr, len: b.len, flags, next: nxt });
             if i < total {
                 cur = nxt;
             }
         }
         self.free_head = self.next[cur as usize];
         self.num_free -= total as u16;
-        self.heads[head as usize] = HeadState {
-            ndesc: total as u16,
-            tail: cur,
-            in_flight: false,
-            token,
-        };
+        self.heads[head as usize] = HeadState { ndesc: total as u16, tail: cur, in_flight: false, token };
         Ok(head)
     }
 
     /// Like `add`, but the buffers go in this head's indirect table and the
     /// chain takes one main-table descriptor.
-    pub fn add_indirect(
-        &mut self,
-        readable: &[Buf],
-        writable: &[Buf],
-        token: u64,
-    ) -> Result<u16, DriverError> {
+    pub fn add_indirect(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
         let pool = self.indirect.ok_or(DriverError::NoIndirect)?;
         let total = readable.len() + writable.len();
         if total == 0 || total > pool.max as usize {
@@ -628,12 +560,7 @@ impl SplitDriver {
         }
         let head = self.free_head;
         let base = head as usize * pool.max as usize * 16;
-        for (i, (b, w)) in readable
-            .iter()
-            .map(|b| (b, false))
-            .chain(writable.iter().map(|b| (b, true)))
-            .enumerate()
-        {
+        for (i, (b, w)) in readable.iter().map(|b| (b, false)).chain(writable.iter().map(|b| (b, true))).enumerate() {
             let mut flags = if w { VRING_DESC_F_WRITE } else { 0 };
             if i + 1 < total {
                 flags |= VRING_DESC_F_NEXT;
@@ -643,33 +570,18 @@ impl SplitDriver {
             unsafe {
                 write_desc_raw(
                     pool.host.add(base + i * 16),
-                    Descriptor {
-                        addr: b.addr,
-                        len: b.len,
-                        flags,
-                        next: (i + 1) as u16,
-                    },
+                    Descriptor { addr: b.addr, len: b.len, flags, next: (i + 1) as u16 },
                 )
             };
         }
         let table = pool.gpa + base as u64;
         self.write_desc(
             head,
-            Descriptor {
-                addr: table,
-                len: (total * 16) as u32,
-                flags: VRING_DESC_F_INDIRECT,
-                next: 0,
-            },
+            Descriptor { addr: table, len: (total * 16) as u32, flags: VRING_DESC_F_INDIRECT, next: 0 },
         );
         self.free_head = self.next[head as usize];
         self.num_free -= 1;
-        self.heads[head as usize] = HeadState {
-            ndesc: 1,
-            tail: head,
-            in_flight: false,
-            token,
-        };
+        self.heads[head as usize] = HeadState { ndesc: 1, tail: head, in_flight: false, token };
         self.push_avail(head);
         Ok(head)
     }
@@ -812,11 +724,7 @@ impl SplitDriver {
         } else {
             self.free_chain(id, h);
         }
-        Ok(Some(Used {
-            id,
-            len,
-            token: h.token,
-        }))
+        Ok(Some(Used { id, len, token: h.token }))
     }
 
     /// With IN_ORDER a used entry may stand for every chain made available
@@ -1108,13 +1016,7 @@ mod tests {
 
     /// A minimal device: completes `n` chains from the avail ring in order
     /// (or in the order given), as a device would.
-    fn device_complete(
-        q: &SplitDriver,
-        dev_next_avail: &mut u16,
-        dev_used: &mut u16,
-        n: u16,
-        len: u32,
-    ) {
+    fn device_complete(q: &SplitDriver, dev_next_avail: &mut u16, dev_used: &mut u16, n: u16, len: u32) {
         for _ in 0..n {
             let head = q.read_avail_ring(*dev_next_avail);
             *dev_next_avail = dev_next_avail.wrapping_add(1);
@@ -1144,40 +1046,19 @@ mod tests {
         let mem = DriverMemory::new(m, 0);
         let mut l = RingLayout::at(0, 256);
         l.size = 3;
-        assert_eq!(
-            SplitDriver::new(mem.clone(), l, 0).err(),
-            Some(DriverError::BadSize)
-        );
+        assert_eq!(SplitDriver::new(mem.clone(), l, 0).err(), Some(DriverError::BadSize));
         let l = RingLayout::at(0, 4096);
-        assert_eq!(
-            SplitDriver::new(mem.clone(), l, 0).err(),
-            Some(DriverError::NotMapped)
-        );
+        assert_eq!(SplitDriver::new(mem.clone(), l, 0).err(), Some(DriverError::NotMapped));
         let mut l = RingLayout::at(0, 16);
         l.desc += 8;
-        assert_eq!(
-            SplitDriver::new(mem, l, 0).err(),
-            Some(DriverError::Misaligned)
-        );
+        assert_eq!(SplitDriver::new(mem, l, 0).err(), Some(DriverError::Misaligned));
     }
 
     #[test]
     fn chain_is_written_as_the_spec_says() {
         let mut q = setup(8, 0);
-        let r = [
-            Buf {
-                addr: 0x1000,
-                len: 10,
-            },
-            Buf {
-                addr: 0x2000,
-                len: 20,
-            },
-        ];
-        let w = [Buf {
-            addr: 0x3000,
-            len: 30,
-        }];
+        let r = [Buf { addr: 0x1000, len: 10 }, Buf { addr: 0x2000, len: 20 }];
+        let w = [Buf { addr: 0x3000, len: 30 }];
         let head = q.add(&r, &w, 77).unwrap();
         assert_eq!(q.num_free(), 5);
         let d0 = q.read_desc(head);
@@ -1185,10 +1066,7 @@ mod tests {
         let d1 = q.read_desc(d0.next);
         assert_eq!((d1.addr, d1.len, d1.flags), (0x2000, 20, VRING_DESC_F_NEXT));
         let d2 = q.read_desc(d1.next);
-        assert_eq!(
-            (d2.addr, d2.len, d2.flags),
-            (0x3000, 30, VRING_DESC_F_WRITE)
-        );
+        assert_eq!((d2.addr, d2.len, d2.flags), (0x3000, 30, VRING_DESC_F_WRITE));
         assert_eq!(q.avail_idx(), 0, "not published yet");
         assert_eq!(q.publish(), 1);
         assert_eq!(q.avail_idx(), 1);
@@ -1201,71 +1079,19 @@ mod tests {
     fn used_entries_free_descriptors_and_return_tokens() {
         let mut q = setup(4, 0);
         let (mut na, mut nu) = (0u16, 0u16);
-        let h1 = q
-            .add(
-                &[
-                    Buf {
-                        addr: 0x1000,
-                        len: 1,
-                    },
-                    Buf {
-                        addr: 0x1001,
-                        len: 1,
-                    },
-                ],
-                &[],
-                1,
-            )
-            .unwrap();
-        let h2 = q
-            .add(
-                &[],
-                &[
-                    Buf {
-                        addr: 0x2000,
-                        len: 1,
-                    },
-                    Buf {
-                        addr: 0x2001,
-                        len: 1,
-                    },
-                ],
-                2,
-            )
-            .unwrap();
-        assert_eq!(
-            q.add(&[Buf { addr: 0, len: 1 }], &[], 3),
-            Err(DriverError::NoSpace)
-        );
+        let h1 = q.add(&[Buf { addr: 0x1000, len: 1 }, Buf { addr: 0x1001, len: 1 }], &[], 1).unwrap();
+        let h2 = q.add(&[], &[Buf { addr: 0x2000, len: 1 }, Buf { addr: 0x2001, len: 1 }], 2).unwrap();
+        assert_eq!(q.add(&[Buf { addr: 0, len: 1 }], &[], 3), Err(DriverError::NoSpace));
         q.publish();
         assert_eq!(q.pop_used().unwrap(), None);
         device_complete(&q, &mut na, &mut nu, 2, 5);
-        assert_eq!(
-            q.pop_used().unwrap(),
-            Some(Used {
-                id: h1,
-                len: 5,
-                token: 1
-            })
-        );
-        assert_eq!(
-            q.pop_used().unwrap(),
-            Some(Used {
-                id: h2,
-                len: 5,
-                token: 2
-            })
-        );
+        assert_eq!(q.pop_used().unwrap(), Some(Used { id: h1, len: 5, token: 1 }));
+        assert_eq!(q.pop_used().unwrap(), Some(Used { id: h2, len: 5, token: 2 }));
         assert_eq!(q.pop_used().unwrap(), None);
         assert_eq!(q.num_free(), 4);
         assert_eq!(q.in_flight(), 0);
         // The freed descriptors are reusable for a chain of the full size.
-        let bufs: Vec<Buf> = (0..4)
-            .map(|i| Buf {
-                addr: i * 16,
-                len: 16,
-            })
-            .collect();
+        let bufs: Vec<Buf> = (0..4).map(|i| Buf { addr: i * 16, len: 16 }).collect();
         q.add(&bufs, &[], 9).unwrap();
         assert_eq!(q.num_free(), 0);
     }
@@ -1274,15 +1100,7 @@ mod tests {
     fn fixed_buffers_repost_across_wraparound() {
         let mut q = setup(8, 0);
         for i in 0..8 {
-            q.add(
-                &[],
-                &[Buf {
-                    addr: 0x1000 * i,
-                    len: 64,
-                }],
-                i,
-            )
-            .unwrap();
+            q.add(&[], &[Buf { addr: 0x1000 * i, len: 64 }], i).unwrap();
         }
         q.publish();
         let (mut na, mut nu) = (0u16, 0u16);
@@ -1297,11 +1115,7 @@ mod tests {
                 assert_eq!(q.read_desc(u.id).addr, 0x1000 * u.token);
                 q.repost(u.id).unwrap();
             }
-            assert_eq!(
-                q.repost(out[0].id),
-                Err(DriverError::NotKept),
-                "already in flight"
-            );
+            assert_eq!(q.repost(out[0].id), Err(DriverError::NotKept), "already in flight");
             q.publish();
         }
         assert_eq!(q.in_flight(), 8);
@@ -1311,16 +1125,7 @@ mod tests {
     #[test]
     fn prepared_chains_wait_for_repost() {
         let mut q = setup(4, 0);
-        let h = q
-            .prepare(
-                &[Buf {
-                    addr: 0x100,
-                    len: 10,
-                }],
-                &[],
-                4,
-            )
-            .unwrap();
+        let h = q.prepare(&[Buf { addr: 0x100, len: 10 }], &[], 4).unwrap();
         assert_eq!(q.num_free(), 3);
         assert_eq!(q.publish(), 0, "prepare does not post");
         q.repost(h).unwrap();
@@ -1331,31 +1136,14 @@ mod tests {
     #[test]
     fn set_kept_len_changes_only_len() {
         let mut q = setup(4, 0);
-        let h = q
-            .add(
-                &[Buf {
-                    addr: 0x100,
-                    len: 10,
-                }],
-                &[],
-                0,
-            )
-            .unwrap();
+        let h = q.add(&[Buf { addr: 0x100, len: 10 }], &[], 0).unwrap();
         assert_eq!(q.set_kept_len(h, 5), Err(DriverError::NotKept));
         q.publish();
         let (mut na, mut nu) = (0, 0);
         device_complete(&q, &mut na, &mut nu, 1, 0);
         q.pop_used_keep().unwrap().unwrap();
         q.set_kept_len(h, 5).unwrap();
-        assert_eq!(
-            q.read_desc(h),
-            Descriptor {
-                addr: 0x100,
-                len: 5,
-                flags: 0,
-                next: q.read_desc(h).next
-            }
-        );
+        assert_eq!(q.read_desc(h), Descriptor { addr: 0x100, len: 5, flags: 0, next: q.read_desc(h).next });
         q.free_kept(h).unwrap();
         assert_eq!(q.num_free(), 4);
         assert_eq!(q.free_kept(h), Err(DriverError::NotKept));
@@ -1364,15 +1152,7 @@ mod tests {
     #[test]
     fn hostile_device_is_an_error_not_a_panic() {
         let mut q = setup(4, 0);
-        q.add(
-            &[Buf {
-                addr: 0x100,
-                len: 10,
-            }],
-            &[],
-            0,
-        )
-        .unwrap();
+        q.add(&[Buf { addr: 0x100, len: 10 }], &[], 0).unwrap();
         q.publish();
         // used.idx far ahead of what is in flight.
         dev16(&q, USED_IDX, 3);
@@ -1429,20 +1209,13 @@ mod tests {
         let mut q = setup(8, features::EVENT_IDX);
         q.disable_notifications();
         assert_eq!(q.used_event(), 0x8000);
-        assert_eq!(
-            q.load16(q.avail, AVAIL_FLAGS, Ordering::Relaxed),
-            0,
-            "0 with EVENT_IDX"
-        );
+        assert_eq!(q.load16(q.avail, AVAIL_FLAGS, Ordering::Relaxed), 0, "0 with EVENT_IDX");
         assert!(!q.enable_notifications());
         assert_eq!(q.used_event(), 0);
 
         let mut q = setup(8, 0);
         q.disable_notifications();
-        assert_eq!(
-            q.load16(q.avail, AVAIL_FLAGS, Ordering::Relaxed),
-            VRING_AVAIL_F_NO_INTERRUPT
-        );
+        assert_eq!(q.load16(q.avail, AVAIL_FLAGS, Ordering::Relaxed), VRING_AVAIL_F_NO_INTERRUPT);
         q.enable_notifications();
         assert_eq!(q.load16(q.avail, AVAIL_FLAGS, Ordering::Relaxed), 0);
     }
@@ -1450,50 +1223,25 @@ mod tests {
     #[test]
     fn indirect_chain_uses_one_slot() {
         let mut q = setup(4, features::INDIRECT_DESC);
-        assert_eq!(
-            q.add_indirect(&[Buf { addr: 0, len: 1 }], &[], 0),
-            Err(DriverError::NoIndirect)
-        );
+        assert_eq!(q.add_indirect(&[Buf { addr: 0, len: 1 }], &[], 0), Err(DriverError::NoIndirect));
         let pool = GPA + 0x8000;
         q.set_indirect_pool(pool, 8).unwrap();
-        let r = [Buf {
-            addr: 0x1000,
-            len: 12,
-        }];
-        let w: Vec<Buf> = (0..7)
-            .map(|i| Buf {
-                addr: 0x2000 + i * 0x100,
-                len: 0x100,
-            })
-            .collect();
+        let r = [Buf { addr: 0x1000, len: 12 }];
+        let w: Vec<Buf> = (0..7).map(|i| Buf { addr: 0x2000 + i * 0x100, len: 0x100 }).collect();
         let head = q.add_indirect(&r, &w, 5).unwrap();
         assert_eq!(q.num_free(), 3);
         let d = q.read_desc(head);
         assert_eq!(d.flags, VRING_DESC_F_INDIRECT);
         assert_eq!(d.len, 8 * 16);
         let t0 = indirect_entry(&q, d.addr, 0);
-        assert_eq!(
-            (t0.addr, t0.len, t0.flags, t0.next),
-            (0x1000, 12, VRING_DESC_F_NEXT, 1)
-        );
+        assert_eq!((t0.addr, t0.len, t0.flags, t0.next), (0x1000, 12, VRING_DESC_F_NEXT, 1));
         let t7 = indirect_entry(&q, d.addr, 7);
         assert_eq!((t7.addr, t7.flags), (0x2600, VRING_DESC_F_WRITE));
-        assert_eq!(
-            q.add_indirect(&w, &w, 0),
-            Err(DriverError::BadChain),
-            "more than the pool holds"
-        );
+        assert_eq!(q.add_indirect(&w, &w, 0), Err(DriverError::BadChain), "more than the pool holds");
         q.publish();
         let (mut na, mut nu) = (0, 0);
         device_complete(&q, &mut na, &mut nu, 1, 3);
-        assert_eq!(
-            q.pop_used().unwrap(),
-            Some(Used {
-                id: head,
-                len: 3,
-                token: 5
-            })
-        );
+        assert_eq!(q.pop_used().unwrap(), Some(Used { id: head, len: 3, token: 5 }));
         assert_eq!(q.num_free(), 4);
     }
 
@@ -1501,15 +1249,7 @@ mod tests {
     fn hostile_raw_writes_are_bounded() {
         let mut q = setup(4, 0);
         // Indexes are masked: no write past the tables whatever the caller passes.
-        q.write_desc(
-            0xffff,
-            Descriptor {
-                addr: u64::MAX,
-                len: u32::MAX,
-                flags: 0xffff,
-                next: 0xffff,
-            },
-        );
+        q.write_desc(0xffff, Descriptor { addr: u64::MAX, len: u32::MAX, flags: 0xffff, next: 0xffff });
         assert_eq!(q.read_desc(3).addr, u64::MAX);
         q.write_avail_ring(0xfffe, 0xabcd);
         assert_eq!(q.read_avail_ring(2), 0xabcd);
@@ -1526,10 +1266,7 @@ mod tests {
         use crate::split::{Access, AddrSpace, Batch, SplitConfig, SplitQueue};
         let m = Mapping::anonymous(1 << 20).unwrap();
         let gm =
-            GuestMemory::from_regions(vec![
-                Region::new(GPA, 1 << 20, 0x7000_0000, m.clone(), 0).unwrap()
-            ])
-            .unwrap();
+            GuestMemory::from_regions(vec![Region::new(GPA, 1 << 20, 0x7000_0000, m.clone(), 0).unwrap()]).unwrap();
         let feats = features::EVENT_IDX | features::INDIRECT_DESC;
         let layout = RingLayout::at(GPA, 16);
         let mut drv = SplitDriver::new(DriverMemory::new(m, GPA), layout, feats).unwrap();
@@ -1542,27 +1279,14 @@ mod tests {
             features: feats,
             next_avail: 0,
         };
-        let mut dev =
-            SplitQueue::new(std::sync::Arc::new(gm), cfg, AddrSpace::GuestPhysical).unwrap();
+        let mut dev = SplitQueue::new(std::sync::Arc::new(gm), cfg, AddrSpace::GuestPhysical).unwrap();
         let mut batch = Batch::new();
         let mut out = [Used::default(); 16];
         for round in 0..5000u64 {
             let k = (round % 5 + 1) as usize;
             for j in 0..k {
-                let r = [Buf {
-                    addr: GPA + 0x8000 + 64 * j as u64,
-                    len: 12,
-                }];
-                let w = [
-                    Buf {
-                        addr: GPA + 0x9000,
-                        len: 100 + j as u32,
-                    },
-                    Buf {
-                        addr: GPA + 0xa000,
-                        len: 7,
-                    },
-                ];
+                let r = [Buf { addr: GPA + 0x8000 + 64 * j as u64, len: 12 }];
+                let w = [Buf { addr: GPA + 0x9000, len: 100 + j as u32 }, Buf { addr: GPA + 0xa000, len: 7 }];
                 if j % 2 == 0 {
                     drv.add(&r, &w, round * 10 + j as u64).unwrap();
                 } else {

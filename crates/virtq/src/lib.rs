@@ -17,6 +17,6 @@ pub use memory::{GuestMemory, Mapping, MemoryError, Region};
 pub use packed::{PackedConfig, PackedQueue, PACKED_BASE_INITIAL};
 pub use queue::Queue;
 pub use split::{
-    copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, ChainError, QueueStats, Seg,
-    SetupError, SplitConfig, SplitQueue,
+    copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, ChainError, QueueStats, Seg, SetupError,
+    SplitConfig, SplitQueue,
 };

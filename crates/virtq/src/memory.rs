@@ -45,10 +45,7 @@ impl Mapping {
         }
         let page = page_size();
         if !offset.is_multiple_of(page) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "mapping offset not page aligned",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "mapping offset not page aligned"));
         }
         // A frontend that shrinks the file under us would make the next
         // access raise SIGBUS: seal it against shrinking where the file can
@@ -62,10 +59,7 @@ impl Mapping {
         if meta.is_file() && offset + len > meta.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!(
-                    "region [{offset:#x}, +{len:#x}) is past the end of its file ({:#x} bytes)",
-                    meta.len()
-                ),
+                format!("region [{offset:#x}, +{len:#x}) is past the end of its file ({:#x} bytes)", meta.len()),
             ));
         }
         // SAFETY: we ask the kernel for a new mapping at an address of its
@@ -172,10 +166,7 @@ unsafe impl Sync for Region {}
 impl Region {
     /// A region backed by `mapping` starting `offset` bytes into it.
     pub fn new(gpa: u64, size: u64, uaddr: u64, mapping: Arc<Mapping>, offset: u64) -> io::Result<Region> {
-        let fits = offset
-            .checked_add(size)
-            .map(|end| end <= mapping.len() as u64)
-            .unwrap_or(false);
+        let fits = offset.checked_add(size).map(|end| end <= mapping.len() as u64).unwrap_or(false);
         if size == 0 || !fits || gpa.checked_add(size).is_none() || uaddr.checked_add(size).is_none() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "region does not fit its mapping"));
         }
@@ -255,8 +246,7 @@ impl GuestMemory {
         }
         let overlaps = |a: u64, alen: u64, b: u64, blen: u64| a < b + blen && b < a + alen;
         for r in &self.regions {
-            if overlaps(r.gpa, r.size, region.gpa, region.size)
-                || overlaps(r.uaddr, r.size, region.uaddr, region.size)
+            if overlaps(r.gpa, r.size, region.gpa, region.size) || overlaps(r.uaddr, r.size, region.uaddr, region.size)
             {
                 return Err(MemoryError::Overlap);
             }
@@ -269,11 +259,7 @@ impl GuestMemory {
 
     /// A copy of the table without the region at `gpa` of `size` bytes.
     pub fn without_region(&self, gpa: u64, size: u64) -> Result<GuestMemory, MemoryError> {
-        let pos = self
-            .regions
-            .iter()
-            .position(|r| r.gpa == gpa && r.size == size)
-            .ok_or(MemoryError::NoSuchRegion)?;
+        let pos = self.regions.iter().position(|r| r.gpa == gpa && r.size == size).ok_or(MemoryError::NoSuchRegion)?;
         let mut regions = self.regions.clone();
         regions.remove(pos);
         Ok(GuestMemory { regions })
@@ -486,10 +472,7 @@ mod tests {
         let mut pieces = vec![];
         let mut h = 0;
         assert!(mem.for_each_piece(0x1ff0, 0x20, &mut h, |p, n| pieces.push((p, n))));
-        assert_eq!(
-            pieces,
-            vec![(unsafe { m.as_ptr().add(4096 + 0xff0) }, 0x10), (m.as_ptr(), 0x10)]
-        );
+        assert_eq!(pieces, vec![(unsafe { m.as_ptr().add(4096 + 0xff0) }, 0x10), (m.as_ptr(), 0x10)]);
         assert!(!mem.for_each_piece(0x2ff0, 0x20, &mut h, |_, _| {}));
         assert!(!mem.for_each_piece(u64::MAX - 1, 4, &mut h, |_, _| {}));
     }

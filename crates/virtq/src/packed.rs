@@ -202,7 +202,10 @@ impl PackedQueue {
         let device_evt = tr(cfg.device, 4).ok_or(SetupError::NotMapped)?;
         // The ring is read with aligned loads: the host addresses must be
         // aligned too (a region mapped at an odd offset would break that).
-        if !(ring as usize).is_multiple_of(16) || !(driver_evt as usize).is_multiple_of(4) || !(device_evt as usize).is_multiple_of(4) {
+        if !(ring as usize).is_multiple_of(16)
+            || !(driver_evt as usize).is_multiple_of(4)
+            || !(device_evt as usize).is_multiple_of(4)
+        {
             return Err(SetupError::Misaligned);
         }
         Ok(PackedQueue {
@@ -461,7 +464,11 @@ impl PackedQueue {
     fn slots_in_flight(&self) -> u32 {
         let (a, u) = (self.next_avail.linear(self.size), self.next_used.linear(self.size));
         // Positions on a cycle of 2 x size; no division on this path.
-        if a >= u { a - u } else { a + 2 * self.size as u32 - u }
+        if a >= u {
+            a - u
+        } else {
+            a + 2 * self.size as u32 - u
+        }
     }
 
     /// Takes four single-descriptor chains at `pos` if all four are
@@ -610,7 +617,16 @@ impl PackedQueue {
         access: Access,
     ) -> Result<(), ChainError> {
         if d.flags & VRING_DESC_F_INDIRECT == 0 {
-            return self.take_buffer(d.addr, d.len, d.flags & VRING_DESC_F_WRITE != 0, chain, read_len, write_len, batch, access);
+            return self.take_buffer(
+                d.addr,
+                d.len,
+                d.flags & VRING_DESC_F_WRITE != 0,
+                chain,
+                read_len,
+                write_len,
+                batch,
+                access,
+            );
         }
         // An indirect descriptor must be the whole chain (not linked by NEXT).
         if !self.indirect || !first || d.flags & VRING_DESC_F_NEXT != 0 {
@@ -627,7 +643,16 @@ impl PackedQueue {
             if e.flags & VRING_DESC_F_INDIRECT != 0 {
                 return Err(ChainError::BadIndirect);
             }
-            self.take_buffer(e.addr, e.len, e.flags & VRING_DESC_F_WRITE != 0, chain, read_len, write_len, batch, access)?;
+            self.take_buffer(
+                e.addr,
+                e.len,
+                e.flags & VRING_DESC_F_WRITE != 0,
+                chain,
+                read_len,
+                write_len,
+                batch,
+                access,
+            )?;
         }
         Ok(())
     }
@@ -721,7 +746,8 @@ impl PackedQueue {
             // this side touches it only through raw-pointer accesses, never
             // references, and an aligned 8-byte store is single-copy atomic
             // on the hardware, which is what the driver relies on.
-            unsafe { AtomicU64::from_ptr(self.ring.add(base + DESC_LEN) as *mut u64) }.store(word.to_le(), Ordering::Release);
+            unsafe { AtomicU64::from_ptr(self.ring.add(base + DESC_LEN) as *mut u64) }
+                .store(word.to_le(), Ordering::Release);
         }
         self.next_used = self.next_used.advance(p.ndesc, self.size);
     }

@@ -275,8 +275,7 @@ impl PackedDriver {
         let id = self.free_ids.pop().ok_or(DriverError::NoSpace)?;
         let write_len = bufs.iter().filter(|(_, w)| *w).map(|(b, _)| b.len).fold(0u32, u32::wrapping_add);
         let ndesc = if table.is_some() { 1 } else { bufs.len() as u16 };
-        self.ids[id as usize] =
-            IdState { allocated: true, in_flight: false, ndesc, write_len, token, bufs, table };
+        self.ids[id as usize] = IdState { allocated: true, in_flight: false, ndesc, write_len, token, bufs, table };
         Ok(id)
     }
 

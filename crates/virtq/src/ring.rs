@@ -88,10 +88,7 @@ pub unsafe fn read_desc_words(p: *const u8) -> (u64, u64) {
         // SAFETY: 16 readable bytes (caller); [u8; 16] has alignment 1.
         let raw = unsafe { std::ptr::read_volatile(p as *const [u8; 16]) };
         let (a, b) = raw.split_at(8);
-        (
-            u64::from_le_bytes(a.try_into().unwrap_or_default()),
-            u64::from_le_bytes(b.try_into().unwrap_or_default()),
-        )
+        (u64::from_le_bytes(a.try_into().unwrap_or_default()), u64::from_le_bytes(b.try_into().unwrap_or_default()))
     }
 }
 
@@ -125,9 +122,8 @@ mod tests {
     #[test]
     fn descriptor_words_read_the_same_aligned_or_not() {
         // addr 0x1122334455667788, len 0x99aabbcc, flags 0xddee, next 0x0ff0
-        let desc: [u8; 16] = [
-            0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0xcc, 0xbb, 0xaa, 0x99, 0xee, 0xdd, 0xf0, 0x0f,
-        ];
+        let desc: [u8; 16] =
+            [0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0xcc, 0xbb, 0xaa, 0x99, 0xee, 0xdd, 0xf0, 0x0f];
         let mut buf = [0u64; 4];
         let base = buf.as_mut_ptr() as *mut u8;
         for off in [0usize, 1, 3, 8] {

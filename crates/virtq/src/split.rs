@@ -273,11 +273,7 @@ struct Desc {
 impl SplitQueue {
     /// Sets up a ring: checks the size, translates and checks the three ring
     /// addresses once, and reads used.idx to resume from.
-    pub fn new(
-        mem: Arc<GuestMemory>,
-        cfg: SplitConfig,
-        space: AddrSpace,
-    ) -> Result<SplitQueue, SetupError> {
+    pub fn new(mem: Arc<GuestMemory>, cfg: SplitConfig, space: AddrSpace) -> Result<SplitQueue, SetupError> {
         let n = cfg.size;
         if n == 0 || n > MAX_QUEUE_SIZE || !n.is_power_of_two() {
             return Err(SetupError::BadSize);
@@ -301,7 +297,10 @@ impl SplitQueue {
         let used = tr(cfg.used, ulen).ok_or(SetupError::NotMapped)?;
         // The rings are read with aligned loads: the host addresses must be
         // aligned too (a region mapped at an odd offset would break that).
-        if !(desc as usize).is_multiple_of(16) || !(avail as usize).is_multiple_of(2) || !(used as usize).is_multiple_of(4) {
+        if !(desc as usize).is_multiple_of(16)
+            || !(avail as usize).is_multiple_of(2)
+            || !(used as usize).is_multiple_of(4)
+        {
             return Err(SetupError::Misaligned);
         }
         let mut q = SplitQueue {
@@ -599,10 +598,8 @@ impl SplitQueue {
                     return Err(ChainError::BadIndirect);
                 }
                 // An indirect table must be contiguous in host memory.
-                let t = self
-                    .mem
-                    .translate(d.addr, d.len as u64, &mut self.region_hint)
-                    .ok_or(ChainError::BadAddress)?;
+                let t =
+                    self.mem.translate(d.addr, d.len as u64, &mut self.region_hint).ok_or(ChainError::BadAddress)?;
                 if !d.addr.is_multiple_of(16) {
                     // read_desc copes with any alignment (read_desc_words),
                     // but the spec requires 16-byte alignment; refuse sloppiness.
@@ -617,13 +614,9 @@ impl SplitQueue {
             }
             let write = d.flags & VRING_DESC_F_WRITE != 0;
             match (access, write) {
-                (Access::ReadOnly, true) | (Access::WriteOnly, false) => {
-                    return Err(ChainError::WrongDirection)
-                }
+                (Access::ReadOnly, true) | (Access::WriteOnly, false) => return Err(ChainError::WrongDirection),
                 // Readable after writable breaks the spec's ordering rule.
-                (Access::ReadThenWrite, false) if chain.n_write > 0 => {
-                    return Err(ChainError::WrongDirection)
-                }
+                (Access::ReadThenWrite, false) if chain.n_write > 0 => return Err(ChainError::WrongDirection),
                 _ => {}
             }
             if d.len > 0 {

@@ -467,8 +467,12 @@ fn set_up_refuses_bad_rings_and_reads_the_base() {
     // Upper half zero: used position = avail position.
     let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5, ..c }, AddrSpace::GuestPhysical).unwrap();
     assert_eq!(q.vring_base(), 5 | (5 << 16));
-    let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5 | 0x8000 | (3 << 16) | (1 << 31), ..c }, AddrSpace::GuestPhysical)
-        .unwrap();
+    let q = PackedQueue::new(
+        r.mem.clone(),
+        PackedConfig { base: 5 | 0x8000 | (3 << 16) | (1 << 31), ..c },
+        AddrSpace::GuestPhysical,
+    )
+    .unwrap();
     assert_eq!(q.vring_base(), 5 | 0x8000 | ((3 | 0x8000) << 16));
     // Used ahead of avail (avail in the second lap, used still in the
     // first, more than a ring apart): no driver can be there.
@@ -485,12 +489,9 @@ fn run_driver_against_device(size: u16, ops: &[(u8, u8, bool, u8)], in_order: bo
     let dmem = DriverMemory::new(r.map.clone(), 0);
     let mut drv = PackedDriver::new(dmem, r.layout, features).unwrap();
     drv.set_indirect_pool(0x20000, 4).unwrap();
-    let mut q = PackedQueue::new(
-        r.mem.clone(),
-        PackedConfig { features, ..r.config(PACKED_BASE) },
-        AddrSpace::GuestPhysical,
-    )
-    .unwrap();
+    let mut q =
+        PackedQueue::new(r.mem.clone(), PackedConfig { features, ..r.config(PACKED_BASE) }, AddrSpace::GuestPhysical)
+            .unwrap();
     let mut b = Batch::new();
     let mut expect = std::collections::VecDeque::new();
     let mut token = 0u64;
@@ -601,8 +602,7 @@ fn with_in_order_the_driver_takes_one_used_descriptor_for_a_whole_batch() {
     // Device: one used descriptor at slot 0 naming the third buffer.
     let used = VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED | WRITE;
     r.desc_at(r.layout.desc, 0, 7, ids[2], used);
-    let got: Vec<(u64, u32)> =
-        std::iter::from_fn(|| drv.pop_used().unwrap()).map(|u| (u.token, u.len)).collect();
+    let got: Vec<(u64, u32)> = std::iter::from_fn(|| drv.pop_used().unwrap()).map(|u| (u.token, u.len)).collect();
     assert_eq!(got, [(0, 100), (1, 101), (2, 7)], "skipped buffers count as wholly used");
     // The next used descriptor goes at slot 3 (after the skipped ones).
     r.desc_at(r.layout.desc + 3 * 16, 0, 20, ids[3], used);

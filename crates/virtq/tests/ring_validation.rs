@@ -51,10 +51,7 @@ fn readable_then_writable_chain() {
     r.desc(2, BUFS + 200, 7, WRITE, 0);
     r.publish(&[0]);
     let (b, got) = pop(&mut q, 32, Access::ReadThenWrite);
-    assert_eq!(
-        got,
-        vec![(0, vec![(h(&r, BUFS), 16)], vec![(h(&r, BUFS + 100), 1), (h(&r, BUFS + 200), 7)])]
-    );
+    assert_eq!(got, vec![(0, vec![(h(&r, BUFS), 16)], vec![(h(&r, BUFS + 100), 1), (h(&r, BUFS + 200), 7)])]);
     assert_eq!((b.chains[0].read_len, b.chains[0].write_len), (16, 8));
 }
 
@@ -119,7 +116,15 @@ fn rejected(setup: impl FnOnce(&Ring), features: u64, access: Access, counter: f
 
 #[test]
 fn loop_is_rejected() {
-    rejected(|r| { r.desc(0, BUFS, 8, NEXT, 1); r.desc(1, BUFS, 8, NEXT, 0); }, ALL, Access::ReadOnly, |s| s.bad_loop);
+    rejected(
+        |r| {
+            r.desc(0, BUFS, 8, NEXT, 1);
+            r.desc(1, BUFS, 8, NEXT, 0);
+        },
+        ALL,
+        Access::ReadOnly,
+        |s| s.bad_loop,
+    );
 }
 
 #[test]
@@ -175,7 +180,10 @@ fn readable_where_writable_is_required_is_rejected() {
 #[test]
 fn readable_after_writable_is_rejected() {
     rejected(
-        |r| { r.desc(0, BUFS, 8, WRITE | NEXT, 1); r.desc(1, BUFS, 8, 0, 0); },
+        |r| {
+            r.desc(0, BUFS, 8, WRITE | NEXT, 1);
+            r.desc(1, BUFS, 8, 0, 0);
+        },
         ALL,
         Access::ReadThenWrite,
         |s| s.bad_direction,
@@ -185,7 +193,10 @@ fn readable_after_writable_is_rejected() {
 #[test]
 fn indirect_without_the_feature_is_rejected() {
     rejected(
-        |r| { r.desc_at(BUFS + 0x1000, 0, BUFS, 8, 0, 0); r.desc(0, BUFS + 0x1000, 16, INDIRECT, 0); },
+        |r| {
+            r.desc_at(BUFS + 0x1000, 0, BUFS, 8, 0, 0);
+            r.desc(0, BUFS + 0x1000, 16, INDIRECT, 0);
+        },
         virtq::ring::features::VERSION_1,
         Access::ReadOnly,
         |s| s.bad_indirect,
@@ -219,7 +230,11 @@ fn indirect_of_length_zero_is_rejected() {
 #[test]
 fn indirect_with_next_is_rejected() {
     rejected(
-        |r| { r.desc_at(BUFS + 0x1000, 0, BUFS, 8, 0, 0); r.desc(0, BUFS + 0x1000, 16, INDIRECT | NEXT, 1); r.desc(1, BUFS, 8, 0, 0); },
+        |r| {
+            r.desc_at(BUFS + 0x1000, 0, BUFS, 8, 0, 0);
+            r.desc(0, BUFS + 0x1000, 16, INDIRECT | NEXT, 1);
+            r.desc(1, BUFS, 8, 0, 0);
+        },
         ALL,
         Access::ReadOnly,
         |s| s.bad_indirect,

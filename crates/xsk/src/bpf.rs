@@ -79,7 +79,10 @@ fn new_fd(r: i64) -> OwnedFd {
 
 fn bpf_perm(e: io::Error, what: &str) -> io::Error {
     if e.raw_os_error() == Some(libc::EPERM) {
-        io::Error::new(e.kind(), format!("{what}: needs CAP_BPF and CAP_NET_ADMIN (or run `vhostd xdp-helper`, or inhibit=on)"))
+        io::Error::new(
+            e.kind(),
+            format!("{what}: needs CAP_BPF and CAP_NET_ADMIN (or run `vhostd xdp-helper`, or inhibit=on)"),
+        )
     } else {
         io::Error::new(e.kind(), format!("{what}: {e}"))
     }
@@ -120,7 +123,10 @@ impl XskMap {
         bpf(BPF_OBJ_GET_INFO_BY_FD, &mut a)
             .map_err(|e| io::Error::new(e.kind(), format!("not a BPF map descriptor ({e})")))?;
         if info[0] != BPF_MAP_TYPE_XSKMAP {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("a BPF map of type {}, not an XSKMAP", info[0])));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a BPF map of type {}, not an XSKMAP", info[0]),
+            ));
         }
         Ok(XskMap { fd, entries: info[4] })
     }
@@ -195,7 +201,13 @@ pub fn load_redirect_program(map: &XskMap) -> io::Result<OwnedFd> {
         Err(e) => {
             let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
             let log = String::from_utf8_lossy(&log[..end]);
-            Err(bpf_perm(e, &format!("cannot load the XDP program{}", if log.is_empty() { String::new() } else { format!(" ({})", log.trim()) })))
+            Err(bpf_perm(
+                e,
+                &format!(
+                    "cannot load the XDP program{}",
+                    if log.is_empty() { String::new() } else { format!(" ({})", log.trim()) }
+                ),
+            ))
         }
     }
 }

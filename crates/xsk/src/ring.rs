@@ -99,7 +99,8 @@ impl<T: Copy> ProdRing<T> {
         let map = Mapping::new::<T>(fd, pgoff, off, size)?;
         let descs = map.descs::<T>(off);
         // SAFETY: the words are inside the live mapping.
-        let (prod, cons) = unsafe { ((*map.producer).load(Ordering::Relaxed), (*map.consumer).load(Ordering::Acquire)) };
+        let (prod, cons) =
+            unsafe { ((*map.producer).load(Ordering::Relaxed), (*map.consumer).load(Ordering::Acquire)) };
         Ok(ProdRing { map, descs, mask: size - 1, size, prod, cached_cons: cons })
     }
 
@@ -161,7 +162,8 @@ impl<T: Copy> ConsRing<T> {
         let map = Mapping::new::<T>(fd, pgoff, off, size)?;
         let descs = map.descs::<T>(off);
         // SAFETY: the words are inside the live mapping.
-        let (prod, cons) = unsafe { ((*map.producer).load(Ordering::Acquire), (*map.consumer).load(Ordering::Relaxed)) };
+        let (prod, cons) =
+            unsafe { ((*map.producer).load(Ordering::Acquire), (*map.consumer).load(Ordering::Relaxed)) };
         Ok(ConsRing { map, descs, mask: size - 1, cons, cached_prod: prod })
     }
 

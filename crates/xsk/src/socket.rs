@@ -119,7 +119,10 @@ impl Xsk {
         let raw = fd.as_raw_fd();
         for (what, n) in [("rx ring", cfg.rx_size), ("tx ring", cfg.tx_size)] {
             if !n.is_power_of_two() {
-                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{what} size {n} is not a power of two")));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{what} size {n} is not a power of two"),
+                ));
             }
         }
         let reg = libc::xdp_umem_reg {
@@ -198,7 +201,8 @@ impl Xsk {
     #[inline]
     pub fn kick_tx(&self) -> io::Result<()> {
         // SAFETY: a zero-length send with no buffer only wakes the socket.
-        let r = unsafe { libc::sendto(self.fd.as_raw_fd(), std::ptr::null(), 0, libc::MSG_DONTWAIT, std::ptr::null(), 0) };
+        let r =
+            unsafe { libc::sendto(self.fd.as_raw_fd(), std::ptr::null(), 0, libc::MSG_DONTWAIT, std::ptr::null(), 0) };
         if r < 0 {
             return Err(io::Error::last_os_error());
         }

@@ -98,11 +98,7 @@ const SUB: u64 = 1 << SUB_BITS;
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram {
-            counts: vec![0; (64 - SUB_BITS as usize + 1) * SUB as usize],
-            total: 0,
-            max: 0,
-        }
+        Histogram { counts: vec![0; (64 - SUB_BITS as usize + 1) * SUB as usize], total: 0, max: 0 }
     }
 }
 
@@ -272,11 +268,7 @@ pub fn check_pattern(buf: &[u8], offset: u64, seed: u64) -> Option<usize> {
     for (i, c) in buf.chunks(8).enumerate() {
         let w = pattern_word(seed, offset + 8 * i as u64);
         if c != &w[..c.len()] {
-            let j = c
-                .iter()
-                .zip(w.iter())
-                .position(|(a, b)| a != b)
-                .unwrap_or(0);
+            let j = c.iter().zip(w.iter()).position(|(a, b)| a != b).unwrap_or(0);
             return Some(8 * i + j);
         }
     }
@@ -308,28 +300,16 @@ struct Run<'a> {
 /// by a signal handler) ends it early, letting requests in flight finish.
 /// Request errors and mismatches are in the report; a broken ring, a
 /// stalled device or bad parameters are errors.
-pub fn run(
-    queues: &mut [BlkQueue],
-    capacity: u64,
-    w: &Workload,
-    stop: Option<&AtomicBool>,
-) -> Result<Report, Error> {
+pub fn run(queues: &mut [BlkQueue], capacity: u64, w: &Workload, stop: Option<&AtomicBool>) -> Result<Report, Error> {
     let cap_bytes = capacity.saturating_mul(SECTOR);
     if queues.is_empty() {
         return Err(Error::Config("no queues".into()));
     }
     if w.bs == 0 || !(w.bs as u64).is_multiple_of(SECTOR) {
-        return Err(Error::Config(format!(
-            "bs {} is not a positive multiple of 512",
-            w.bs
-        )));
+        return Err(Error::Config(format!("bs {} is not a positive multiple of 512", w.bs)));
     }
     if let Some(q) = queues.iter().find(|q| q.max_data() < w.bs) {
-        return Err(Error::Config(format!(
-            "bs {} exceeds the queue's {} bytes",
-            w.bs,
-            q.max_data()
-        )));
+        return Err(Error::Config(format!("bs {} exceeds the queue's {} bytes", w.bs, q.max_data())));
     }
     if w.iodepth == 0 {
         return Err(Error::Config("iodepth must not be zero".into()));
@@ -340,26 +320,16 @@ pub fn run(
     }
     let area = match w.size {
         Some(s) if s > cap_bytes => {
-            return Err(Error::Config(format!(
-                "size {s} exceeds the disk's {cap_bytes} bytes"
-            )))
+            return Err(Error::Config(format!("size {s} exceeds the disk's {cap_bytes} bytes")))
         }
         Some(s) => s,
         None => cap_bytes,
     };
     let blocks = area / w.bs as u64;
     if blocks == 0 {
-        return Err(Error::Config(format!(
-            "an area of {area} bytes holds no block of {}",
-            w.bs
-        )));
+        return Err(Error::Config(format!("an area of {area} bytes holds no block of {}", w.bs)));
     }
-    let iodepth = queues
-        .iter()
-        .map(|q| q.depth())
-        .min()
-        .unwrap_or(0)
-        .min(w.iodepth);
+    let iodepth = queues.iter().map(|q| q.depth()).min().unwrap_or(0).min(w.iodepth);
     let mut r = Run {
         w,
         blocks,
@@ -394,13 +364,7 @@ pub fn run(
     let start = Instant::now();
     if w.mode == Mode::Verify {
         let total = w.count.unwrap_or(blocks).min(blocks);
-        let ph = Phase {
-            write: true,
-            random: false,
-            verify: true,
-            total,
-            deadline: None,
-        };
+        let ph = Phase { write: true, random: false, verify: true, total, deadline: None };
         let written = r.phase(queues, &ph)?;
         if f & features::BLK_FLUSH != 0 && !r.rep.interrupted {
             let reply = queues[0].request(BlkOp::Flush, &[], w.stall_timeout)?;
@@ -411,13 +375,7 @@ pub fn run(
             }
         }
         if !r.rep.interrupted {
-            let ph = Phase {
-                write: false,
-                random: false,
-                verify: true,
-                total: written,
-                deadline: None,
-            };
+            let ph = Phase { write: false, random: false, verify: true, total: written, deadline: None };
             r.rep.verified_blocks = r.phase(queues, &ph)?;
         }
     } else {
@@ -486,22 +444,16 @@ impl Run<'_> {
                         let sector = off / SECTOR;
                         let posted = match (ph.write, ph.verify) {
                             (true, true) => {
-                                q.submit(BlkOp::Write { sector, len: bs }, blk, |b| {
-                                    fill_pattern(b, off, seed)
-                                })?
+                                q.submit(BlkOp::Write { sector, len: bs }, blk, |b| fill_pattern(b, off, seed))?
                             }
                             // Benchmark writes only stamp the block's offset.
-                            (true, false) => {
-                                q.submit(BlkOp::Write { sector, len: bs }, blk, |b| {
-                                    b[..8].copy_from_slice(&off.to_le_bytes());
-                                    b[8..16].copy_from_slice(&seed.to_le_bytes());
-                                })?
-                            }
+                            (true, false) => q.submit(BlkOp::Write { sector, len: bs }, blk, |b| {
+                                b[..8].copy_from_slice(&off.to_le_bytes());
+                                b[8..16].copy_from_slice(&seed.to_le_bytes());
+                            })?,
                             // Verify poisons the buffer first: a device that
                             // leaves it alone must not pass on stale data.
-                            (false, true) => {
-                                q.submit(BlkOp::Read { sector, len: bs }, blk, |b| b.fill(POISON))?
-                            }
+                            (false, true) => q.submit(BlkOp::Read { sector, len: bs }, blk, |b| b.fill(POISON))?,
                             (false, false) => q.submit(BlkOp::Read { sector, len: bs }, blk, |_| {})?,
                         };
                         if !posted {
@@ -558,8 +510,7 @@ impl Run<'_> {
                 )));
             }
             if !stopping
-                && (ph.deadline.is_some_and(|d| now >= d)
-                    || self.stop.is_some_and(|s| s.load(Ordering::Relaxed)))
+                && (ph.deadline.is_some_and(|d| now >= d) || self.stop.is_some_and(|s| s.load(Ordering::Relaxed)))
             {
                 stopping = true;
                 self.rep.interrupted = ph.deadline.is_none_or(|d| now < d);
@@ -581,11 +532,7 @@ impl Run<'_> {
 /// (returns at once if completions are already waiting).
 pub fn wait_any(queues: &mut [BlkQueue], timeout: Duration) -> Result<(), Error> {
     use std::os::unix::io::AsRawFd;
-    let mut fds = [libc::pollfd {
-        fd: -1,
-        events: libc::POLLIN,
-        revents: 0,
-    }; 64];
+    let mut fds = [libc::pollfd { fd: -1, events: libc::POLLIN, revents: 0 }; 64];
     for (i, q) in queues.iter_mut().enumerate() {
         if q.queue.ring.enable_notifications() {
             return Ok(());

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -57,12 +57,8 @@ impl Daemon {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let sock = dir.join("net.sock");
         let mut cmd = vhostd_in(netns);
-        let mut child = cmd
-            .args(argv(&sock))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn vhostd");
+        let mut child =
+            cmd.args(argv(&sock)).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn vhostd");
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
@@ -152,11 +148,8 @@ impl Stats {
                 continue;
             }
             let rest: Vec<&str> = words.collect();
-            let kv: HashMap<String, String> = rest
-                .iter()
-                .filter_map(|w| w.split_once('='))
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
+            let kv: HashMap<String, String> =
+                rest.iter().filter_map(|w| w.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
             if rest.first() == Some(&"total") {
                 s.total = kv;
             } else if let Some(q) = kv.get("queue").and_then(|q| q.parse().ok()) {
@@ -174,12 +167,7 @@ impl Stats {
     }
 
     pub fn queue(&self, q: usize, k: &str) -> u64 {
-        self.queues
-            .get(&q)
-            .and_then(|m| m.get(k))
-            .unwrap_or_else(|| panic!("no queue {q} {k}"))
-            .parse()
-            .unwrap()
+        self.queues.get(&q).and_then(|m| m.get(k)).unwrap_or_else(|| panic!("no queue {q} {k}")).parse().unwrap()
     }
 }
 
@@ -339,7 +327,8 @@ impl Packet {
                 assert!(fd >= 0, "packet socket: {}", std::io::Error::last_os_error());
                 let on: libc::c_int = 1;
                 if vnet_hdr {
-                    let r = libc::setsockopt(fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &on as *const _ as *const _, 4);
+                    let r =
+                        libc::setsockopt(fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &on as *const _ as *const _, 4);
                     assert_eq!(r, 0, "PACKET_VNET_HDR");
                 }
                 let rcvbuf: libc::c_int = 8 << 20;
@@ -388,14 +377,8 @@ impl Packet {
 pub fn refused(ns: Option<&NetNs>, args: &[&str], code: i32) -> String {
     let dir = tempdir();
     let sock = dir.join("net.sock");
-    let out = vhostd_in(ns)
-        .arg("net")
-        .arg("--socket-path")
-        .arg(&sock)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out =
+        vhostd_in(ns).arg("net").arg("--socket-path").arg(&sock).args(args).stdin(Stdio::null()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(code), "vhostd {args:?}: {err}");
     assert!(!sock.exists(), "nothing left behind");
@@ -410,7 +393,6 @@ pub fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
-
 
 /// An IPv4 frame to the guest: UDP from port `sport`, `len` bytes.
 pub fn udp4_frame(sport: u16, len: usize, seq: u32) -> Vec<u8> {
@@ -457,7 +439,6 @@ pub fn set_pairs(dev: &mut VirtioUser, ctrl: &mut vhostd_user::VirtQueue, pairs:
     assert!(dev.memory().driver_memory().read(ack, &mut a));
     a[0]
 }
-
 
 /// One vhost-user message as bytes: request, flags (version 1 is added),
 /// size, payload.
