@@ -21,7 +21,7 @@ pub mod workload;
 use crate::queue::VirtQueue;
 use crate::{features, DeviceType, Error, VirtioUser};
 use std::time::{Duration, Instant};
-use virtq::driver::{Buf, Used};
+use virtq_driver::{Buf, Used};
 
 /// Sectors are 512 bytes whatever the device's block size.
 pub const SECTOR: u64 = 512;

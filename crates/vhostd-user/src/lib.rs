@@ -3,7 +3,7 @@
 //! It plays the part a VMM plays for a vhost-user backend, from a plain
 //! process: it connects to the backend's socket, negotiates features, shares
 //! its "guest memory" (a memfd, not hugepages) with SET_MEM_TABLE, lays out
-//! split or packed rings in it and drives them with `virtq::driver`, as a
+//! split or packed rings in it and drives them with `virtq_driver`, as a
 //! virtio-net or virtio-blk driver. Used by integration tests (including
 //! hostile-ring tests, through the raw ring accessors and `blk`'s raw
 //! chains) and by the `vhostd-user` benchmark CLI.
@@ -44,8 +44,10 @@ pub use memory::FrontendMemory;
 pub use net::{build_udp_frame, NetStats, RxQueue, TxQueue};
 pub use queue::VirtQueue;
 pub use vhost::vhost_user::VhostUserProtocolFeatures;
-pub use virtq::driver::{Buf, Descriptor, DriverError, DriverRing, RingLayout, SplitDriver, Used};
-pub use virtq::packed_driver::{PackedDesc, PackedDriver};
+pub use virtq_driver::{
+    Buf, Descriptor, DriverError, DriverMemory, DriverRing, PackedDesc, PackedDriver, RingLayout, SharedMemory,
+    SplitDriver, Used,
+};
 
 use std::path::PathBuf;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};

@@ -4,11 +4,9 @@
 
 use crate::Error;
 use std::fs::File;
-use std::io;
-use std::os::unix::io::{AsRawFd, FromRawFd};
+use std::os::unix::io::AsRawFd;
 use std::sync::Arc;
-use virtq::driver::DriverMemory;
-use virtq::Mapping;
+use virtq_driver::{DriverMemory, SharedMemory};
 
 /// The shared memory and its allocator.
 pub struct FrontendMemory {
@@ -30,17 +28,8 @@ impl FrontendMemory {
         if !gpa_base.is_multiple_of(4096) || gpa_base.checked_add(size).is_none() {
             return Err(Error::Config("guest-physical base must be page aligned and fit".into()));
         }
-        let name = b"vhostd-user\0";
-        // SAFETY: `name` is a NUL-terminated string that outlives the call.
-        let flags = libc::MFD_CLOEXEC | if sealable { libc::MFD_ALLOW_SEALING } else { 0 };
-        let fd = unsafe { libc::memfd_create(name.as_ptr() as *const libc::c_char, flags) };
-        if fd < 0 {
-            return Err(Error::Io(io::Error::last_os_error()));
-        }
-        // SAFETY: memfd_create just returned this fd and nothing else owns it.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(size).map_err(Error::Io)?;
-        let mapping: Arc<Mapping> = Mapping::map(&file, 0, size).map_err(Error::Io)?;
+        let file = virtq_driver::memfd("vhostd-user", size, sealable).map_err(Error::Io)?;
+        let mapping = Arc::new(SharedMemory::map(&file, 0, size).map_err(Error::Io)?);
         Ok(FrontendMemory { file, mem: DriverMemory::new(mapping, gpa_base), next: 0 })
     }
 

@@ -4,7 +4,7 @@
 
 use crate::queue::VirtQueue;
 use crate::Error;
-use virtq::driver::{Buf, Used};
+use virtq_driver::{Buf, Used};
 
 /// Largest frame we reassemble from mergeable buffers (64 KiB + Ethernet).
 const MAX_MERGED: usize = 65536 + 14;
@@ -274,7 +274,7 @@ impl RxQueue {
         for u in &out[..n] {
             if let Some(&s) = self.slot_of.get(u.id as usize) {
                 // SAFETY: s < size: inside the buffer area.
-                virtq::split::prefetch(unsafe { self.base.add(s as usize * self.buf_size as usize) });
+                virtq_driver::prefetch(unsafe { self.base.add(s as usize * self.buf_size as usize) });
             }
         }
         let mut frames = 0;

@@ -5,7 +5,7 @@ use crate::Error;
 use std::io;
 use std::os::unix::io::AsRawFd;
 use std::time::Duration;
-use virtq::driver::DriverRing;
+use virtq_driver::DriverRing;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// A virtqueue: ring, kick eventfd (we write, the backend waits) and call

@@ -1,14 +1,13 @@
-//! virtq: the device side (and a driver side for tests and the frontend) of
-//! virtio split and packed virtqueues living in shared guest memory.
+//! virtq: the device side of virtio split and packed virtqueues living in
+//! shared guest memory. (The driver side, for tests and the project's own
+//! frontend, is the `virtq-driver` crate.)
 //!
 //! This is the hot path of vhostd, written here rather than taken from
 //! `virtio-queue` (see `split.rs` for why). It knows nothing of vhost-user,
 //! devices or backends.
 
-pub mod driver;
 pub mod memory;
 pub mod packed;
-pub mod packed_driver;
 pub mod queue;
 pub mod ring;
 pub mod split;

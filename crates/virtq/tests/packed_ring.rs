@@ -4,10 +4,9 @@
 
 use proptest::prelude::*;
 use std::sync::Arc;
-use virtq::driver::{Buf, DriverMemory, RingLayout};
-use virtq::packed_driver::PackedDriver;
 use virtq::ring::*;
 use virtq::{Access, AddrSpace, Batch, GuestMemory, Mapping, PackedConfig, PackedQueue, Region, SetupError};
+use virtq_driver::{Buf, DriverError, DriverMemory, PackedDriver, RingLayout, SharedMemory};
 
 const MEM: u64 = 1 << 20;
 const BUFS: u64 = 0x40000;
@@ -19,18 +18,28 @@ const FEATURES: u64 = features::VERSION_1 | features::RING_PACKED | features::IN
 
 /// One region of guest memory (gpa = offset), a packed ring at RING with its
 /// driver and device areas after it, and a raw writer for descriptors.
+/// The memory is a memfd: the device side maps it as guest memory (`map`,
+/// `mem`), the driver side maps it again with its own type (`shared`).
 struct Ring {
     map: Arc<Mapping>,
     mem: Arc<GuestMemory>,
+    shared: Arc<SharedMemory>,
     layout: RingLayout,
 }
 
 impl Ring {
     fn new(size: u16) -> Ring {
-        let map = Mapping::anonymous(MEM as usize).unwrap();
+        let file = virtq_driver::memfd("packed-ring-test", MEM, true).unwrap();
+        let map = Mapping::map(&file, 0, MEM).unwrap();
         let region = Region::new(0, MEM, 0x7f00_0000_0000, map.clone(), 0).unwrap();
         let mem = Arc::new(GuestMemory::from_regions(vec![region]).unwrap());
-        Ring { map, mem, layout: RingLayout::packed_at(RING, size) }
+        let shared = Arc::new(SharedMemory::map(&file, 0, MEM).unwrap());
+        Ring { map, mem, shared, layout: RingLayout::packed_at(RING, size) }
+    }
+
+    /// The driver's view of the same memory (gpa = offset).
+    fn driver_memory(&self) -> DriverMemory {
+        DriverMemory::new(self.shared.clone(), 0)
     }
 
     fn host(&self, gpa: u64) -> *mut u8 {
@@ -486,7 +495,7 @@ fn set_up_refuses_bad_rings_and_reads_the_base() {
 fn run_driver_against_device(size: u16, ops: &[(u8, u8, bool, u8)], in_order: bool) {
     let r = Ring::new(size);
     let features = FEATURES | if in_order { features::IN_ORDER } else { 0 };
-    let dmem = DriverMemory::new(r.map.clone(), 0);
+    let dmem = r.driver_memory();
     let mut drv = PackedDriver::new(dmem, r.layout, features).unwrap();
     drv.set_indirect_pool(0x20000, 4).unwrap();
     let mut q =
@@ -513,9 +522,9 @@ fn run_driver_against_device(size: u16, ops: &[(u8, u8, bool, u8)], in_order: bo
                     expect.push_back((token, wl));
                     token += 1;
                 }
-                Err(virtq::driver::DriverError::NoSpace) => break,
+                Err(DriverError::NoSpace) => break,
                 // More buffers than the ring has slots: refused, as it must be.
-                Err(virtq::driver::DriverError::BadChain) if !indirect && n > size as usize => break,
+                Err(DriverError::BadChain) if !indirect && n > size as usize => break,
                 Err(e) => panic!("{e}"),
             }
         }
@@ -590,7 +599,7 @@ fn with_in_order_the_driver_takes_one_used_descriptor_for_a_whole_batch() {
     // The spec lets an IN_ORDER device write one used descriptor, with the
     // id of the batch's last buffer, and skip the rest.
     let r = Ring::new(8);
-    let dmem = DriverMemory::new(r.map.clone(), 0);
+    let dmem = r.driver_memory();
     let mut drv = PackedDriver::new(dmem, r.layout, FEATURES | features::IN_ORDER).unwrap();
     let mut ids = Vec::new();
     for t in 0..3u64 {
@@ -614,15 +623,15 @@ fn with_in_order_the_driver_takes_one_used_descriptor_for_a_whole_batch() {
 #[test]
 fn the_driver_refuses_a_used_id_that_is_not_in_flight() {
     let r = Ring::new(4);
-    let dmem = DriverMemory::new(r.map.clone(), 0);
+    let dmem = r.driver_memory();
     let mut drv = PackedDriver::new(dmem, r.layout, FEATURES).unwrap();
     drv.add(&[], &[Buf { addr: buf(0), len: 10 }], 0).unwrap();
     drv.publish();
     let used = VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED;
     r.desc_at(r.layout.desc, 0, 0, 3, used);
-    assert_eq!(drv.pop_used(), Err(virtq::driver::DriverError::UsedNotInFlight));
+    assert_eq!(drv.pop_used(), Err(DriverError::UsedNotInFlight));
     r.desc_at(r.layout.desc, 0, 0, 999, used);
-    assert_eq!(drv.pop_used(), Err(virtq::driver::DriverError::BadUsedId));
+    assert_eq!(drv.pop_used(), Err(DriverError::BadUsedId));
 }
 
 #[test]

@@ -4,9 +4,9 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use virtq::driver::RingLayout;
 use virtq::ring::*;
 use virtq::{AddrSpace, GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
+use virtq_driver::RingLayout;
 
 pub const MEM: u64 = 1 << 20;
 /// Where test buffers start (rings sit below).

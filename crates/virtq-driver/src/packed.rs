@@ -1,5 +1,5 @@
-//! Driver side of a packed virtqueue (virtio 1.2, section 2.8) for the
-//! project's frontend and tests, with the same calls as `SplitDriver`.
+//! Driver side of a packed virtqueue (virtio 1.2, section 2.8), with the
+//! same calls as `SplitDriver`.
 //!
 //! Buffer ids are the driver's own (0..size); a chain's buffers are kept in
 //! private memory so `repost` can write its descriptors again into the next
@@ -8,10 +8,14 @@
 //! Whatever the device writes is checked: a used id that is not in flight is
 //! an error, never a panic.
 
-use crate::driver::{Buf, DriverError, DriverMemory, DriverStats, RingLayout, Used};
-use crate::ring::*;
+use crate::{Buf, DriverError, DriverMemory, DriverStats, RingLayout, Used};
 use std::collections::VecDeque;
 use std::sync::atomic::{fence, Ordering};
+use virtq::ring::{
+    desc_table_size, features, DESC_SIZE, MAX_QUEUE_SIZE, RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE,
+    RING_EVENT_FLAGS_ENABLE, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE, VRING_PACKED_DESC_F_AVAIL,
+    VRING_PACKED_DESC_F_USED,
+};
 
 /// A packed descriptor as laid out in the ring (host order here).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -81,30 +85,10 @@ pub struct PackedDriver {
     pub stats: DriverStats,
 }
 
-// SAFETY: the ring pointers point into `mem`'s mapping, kept alive by its Arc;
-// a driver queue is owned by one thread at a time.
+// SAFETY: the ring pointers point into `mem`'s mapping, kept alive by its
+// Arc for as long as the driver lives; a driver queue is used by one thread
+// at a time (it is not Sync), so moving it to another thread is sound.
 unsafe impl Send for PackedDriver {}
-
-impl RingLayout {
-    /// A packed layout at `base` (aligned up to 64): the descriptor ring,
-    /// then the driver and device event areas on their own cache lines.
-    /// (`avail` is the driver area, `used` the device area.)
-    pub fn packed_at(base: u64, size: u16) -> RingLayout {
-        let desc = align_up(base, 64);
-        let avail = align_up(desc + desc_table_size(size), 64);
-        let used = avail + 64;
-        RingLayout { size, desc, avail, used }
-    }
-
-    /// Bytes `packed_at` takes, at most.
-    pub fn packed_footprint(size: u16) -> u64 {
-        RingLayout::packed_at(0, size).used + 128
-    }
-}
-
-fn align_up(v: u64, a: u64) -> u64 {
-    (v + a - 1) & !(a - 1)
-}
 
 const DESC_LEN: usize = 8;
 const DESC_ID: usize = 12;
@@ -127,7 +111,16 @@ impl PackedDriver {
         let ring = mem.host(layout.desc, dl).ok_or(DriverError::NotMapped)?;
         let driver_evt = mem.host(layout.avail, 4).ok_or(DriverError::NotMapped)?;
         let device_evt = mem.host(layout.used, 4).ok_or(DriverError::NotMapped)?;
-        // SAFETY: the three ranges were bounds-checked against the mapping above.
+        // The accesses below assume the host addresses are as aligned as the
+        // guest-physical ones (a gpa_base at an odd offset breaks that).
+        if !(ring as usize).is_multiple_of(16)
+            || !(driver_evt as usize).is_multiple_of(4)
+            || !(device_evt as usize).is_multiple_of(4)
+        {
+            return Err(DriverError::Misaligned);
+        }
+        // SAFETY: the three ranges were bounds-checked against the mapping
+        // above; the driver owns the ring, nobody else writes it yet.
         unsafe {
             std::ptr::write_bytes(ring, 0, dl as usize);
             std::ptr::write_bytes(driver_evt, 0, 4);
@@ -608,4 +601,66 @@ impl PackedDriver {
     /// Nothing to refresh: DISABLE does not expire on a packed ring.
     #[inline]
     pub fn refresh_disabled(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SharedMemory;
+    use std::sync::Arc;
+
+    fn setup(size: u16, features: u64) -> PackedDriver {
+        let mem = DriverMemory::new(Arc::new(SharedMemory::anonymous(1 << 16).unwrap()), 0);
+        PackedDriver::new(mem, RingLayout::packed_at(0, size), features).unwrap()
+    }
+
+    /// Marks ring slot `slot` used in lap `wrap` for buffer `id`, as a device would.
+    fn device_used(q: &mut PackedDriver, slot: u16, wrap: bool, id: u16, len: u32) {
+        let bits = if wrap { VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED } else { 0 };
+        q.write_desc(slot, PackedDesc { addr: 0, len, id, flags: bits });
+    }
+
+    #[test]
+    fn chains_take_their_slots_and_come_back_across_laps() {
+        let mut q = setup(4, 0);
+        let a = q.add(&[Buf { addr: 0x1000, len: 8 }], &[Buf { addr: 0x2000, len: 16 }], 1).unwrap();
+        let b = q.add(&[], &[Buf { addr: 0x3000, len: 32 }], 2).unwrap();
+        assert_eq!((q.num_free(), q.in_flight()), (1, 2));
+        assert_eq!(q.add(&[Buf { addr: 0, len: 1 }, Buf { addr: 0, len: 1 }], &[], 3), Err(DriverError::NoSpace));
+        assert_eq!(q.publish(), 1);
+        assert_eq!(q.used_ready(), Ok(0));
+        // Out of order: b (slot 2) first, at the used position.
+        device_used(&mut q, 0, true, b, 5);
+        assert_eq!(q.pop_used(), Ok(Some(Used { id: b, len: 5, token: 2 })));
+        assert_eq!((q.used_position(), q.num_free()), ((1, true), 2));
+        device_used(&mut q, 1, true, a, 7);
+        assert_eq!(q.pop_used_keep(), Ok(Some(Used { id: a, len: 7, token: 1 })));
+        assert_eq!((q.used_position(), q.num_free(), q.in_flight()), ((3, true), 4, 0));
+        // The kept chain goes again, across the end of the ring.
+        q.repost(a).unwrap();
+        assert_eq!(q.repost(a), Err(DriverError::NotKept), "in flight");
+        q.publish();
+        assert_eq!(q.avail_position(), (1, false));
+        device_used(&mut q, 3, true, a, 9);
+        assert_eq!(q.pop_used(), Ok(Some(Used { id: a, len: 9, token: 1 })));
+        assert_eq!(q.used_position(), (1, false));
+        assert_eq!(q.free_kept(a), Err(DriverError::NotKept), "freed by pop_used");
+    }
+
+    #[test]
+    fn an_in_order_batch_keeps_its_used_position_while_taken() {
+        let mut q = setup(8, features::IN_ORDER);
+        for t in 0..3u64 {
+            q.add(&[], &[Buf { addr: 0x1000, len: 10 }, Buf { addr: 0x2000, len: 20 }], t).unwrap();
+        }
+        q.publish();
+        // One used descriptor for the first two chains (slots 0..4).
+        device_used(&mut q, 0, true, 1, 3);
+        assert_eq!(q.pop_used().unwrap().map(|u| (u.id, u.len)), Some((0, 30)));
+        assert_eq!(q.used_position(), (4, true), "past the whole batch");
+        assert_eq!(q.used_ready(), Ok(1));
+        assert!(q.enable_notifications(), "the rest of the batch is there");
+        assert_eq!(q.pop_used().unwrap().map(|u| (u.id, u.len)), Some((1, 3)));
+        assert_eq!((q.used_position(), q.used_ready()), ((4, true), Ok(0)));
+    }
 }

@@ -1,184 +1,19 @@
 //! Driver side of a split virtqueue (virtio 1.2, section 2.7), over memory
-//! the driver owns: what a guest's virtio driver does, for the project's own
-//! vhost-user frontend (benchmarks) and for tests.
+//! the driver owns.
 //!
-//! Built for speed: descriptors for fixed-size buffers can be built once and
-//! then only their head index recycled (`pop_used_keep` + `repost`), avail.idx
-//! is stored once per batch (`publish`), used.idx is read once per batch.
-//!
-//! The bookkeeping (free list, chain lengths, in-flight state) lives in
-//! private memory, never in the shared rings, so a misbehaving device can
-//! only make `pop_used` return an error, never corrupt the driver or make it
-//! panic. The raw accessors (`write_desc`, `set_avail_idx`, ...) let tests
-//! build hostile rings on purpose.
+//! Chains are linked through a private copy of the descriptors' `next`
+//! fields (the free list lives there too); a chain's head is its id. The
+//! used ring is read through used.idx, once per batch.
 
-use crate::memory::Mapping;
-use crate::ring::*;
+use crate::raw;
+use crate::{Buf, DriverError, DriverMemory, DriverStats, RingLayout, Used};
 use std::sync::atomic::{fence, AtomicU16, Ordering};
-use std::sync::Arc;
+use virtq::ring::{
+    avail_ring_size, desc_table_size, features, need_event, used_ring_size, DESC_SIZE, MAX_QUEUE_SIZE,
+    VRING_AVAIL_F_NO_INTERRUPT, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE, VRING_USED_F_NO_NOTIFY,
+};
 
-/// The memory a driver owns and shares with the device: one mapping whose
-/// guest-physical address is `gpa_base + offset`.
-#[derive(Clone, Debug)]
-pub struct DriverMemory {
-    mapping: Arc<Mapping>,
-    gpa_base: u64,
-}
-
-impl DriverMemory {
-    /// `mapping` seen by the device at guest-physical `gpa_base`.
-    pub fn new(mapping: Arc<Mapping>, gpa_base: u64) -> DriverMemory {
-        DriverMemory { mapping, gpa_base }
-    }
-
-    /// The mapping.
-    pub fn mapping(&self) -> &Arc<Mapping> {
-        &self.mapping
-    }
-
-    /// Guest-physical address of the first byte.
-    pub fn gpa_base(&self) -> u64 {
-        self.gpa_base
-    }
-
-    /// Size in bytes.
-    pub fn len(&self) -> u64 {
-        self.mapping.len() as u64
-    }
-
-    /// True for an empty mapping.
-    pub fn is_empty(&self) -> bool {
-        self.mapping.is_empty()
-    }
-
-    /// Host pointer of `len` bytes at `gpa`, if they are all inside.
-    #[inline]
-    pub fn host(&self, gpa: u64, len: u64) -> Option<*mut u8> {
-        let off = gpa.checked_sub(self.gpa_base)?;
-        if off > self.len() || len > self.len() - off {
-            return None;
-        }
-        // SAFETY: off + len <= mapping length, checked above.
-        Some(unsafe { self.mapping.as_ptr().add(off as usize) })
-    }
-
-    /// Guest-physical address of a host pointer into the mapping.
-    pub fn gpa_of(&self, host: *const u8) -> Option<u64> {
-        let off = (host as usize).checked_sub(self.mapping.as_ptr() as usize)?;
-        (off < self.mapping.len()).then(|| self.gpa_base + off as u64)
-    }
-
-    /// Copies `data` to `gpa`; false if it does not fit.
-    pub fn write(&self, gpa: u64, data: &[u8]) -> bool {
-        match self.host(gpa, data.len() as u64) {
-            Some(p) => {
-                // SAFETY: `p` has room for data.len() bytes (checked by
-                // `host`); `data` is private memory, so they cannot overlap.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Copies from `gpa` into `out`; false if the range is not inside.
-    pub fn read(&self, gpa: u64, out: &mut [u8]) -> bool {
-        match self.host(gpa, out.len() as u64) {
-            Some(p) => {
-                // SAFETY: `p` has out.len() readable bytes (checked by `host`).
-                unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// Where the three parts of a split ring live (guest-physical addresses).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RingLayout {
-    /// Queue size.
-    pub size: u16,
-    /// Descriptor table.
-    pub desc: u64,
-    /// Available ring.
-    pub avail: u64,
-    /// Used ring.
-    pub used: u64,
-}
-
-impl RingLayout {
-    /// A compact layout starting at `base` (aligned up to 64): descriptor
-    /// table, available ring, then the used ring on its own cache lines so the
-    /// device's used writes do not bounce the driver's avail line.
-    pub fn at(base: u64, size: u16) -> RingLayout {
-        let desc = align_up(base, 64);
-        let avail = desc + desc_table_size(size);
-        let used = align_up(avail + avail_ring_size(size), 64);
-        RingLayout { size, desc, avail, used }
-    }
-
-    /// First byte after the rings (64-aligned).
-    pub fn end(&self) -> u64 {
-        align_up(self.used + used_ring_size(self.size), 64)
-    }
-
-    /// Bytes the layout from `RingLayout::at` takes, at most.
-    pub fn footprint(size: u16) -> u64 {
-        RingLayout::at(0, size).end() + 64
-    }
-}
-
-fn align_up(v: u64, a: u64) -> u64 {
-    (v + a - 1) & !(a - 1)
-}
-
-/// Why a driver queue could not be built or an operation was refused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DriverError {
-    /// Queue size zero, above 32768 or not a power of two.
-    BadSize,
-    /// A ring outside the driver memory.
-    NotMapped,
-    /// A ring address not aligned as the spec requires.
-    Misaligned,
-    /// Not enough free descriptors for the chain.
-    NoSpace,
-    /// A chain with no buffer, or more buffers than the queue or indirect table holds.
-    BadChain,
-    /// Indirect descriptors were asked for without an indirect pool.
-    NoIndirect,
-    /// The head is not a kept chain (not allocated, or still in flight).
-    NotKept,
-    /// The device moved used.idx by more than the number of chains in flight.
-    UsedIdxAhead,
-    /// The device returned a head past the queue size.
-    BadUsedId,
-    /// The device returned a head that was not in flight.
-    UsedNotInFlight,
-}
-
-impl std::fmt::Display for DriverError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = match self {
-            DriverError::BadSize => "queue size is zero, above 32768 or not a power of two",
-            DriverError::NotMapped => "ring outside the driver memory",
-            DriverError::Misaligned => "ring address misaligned",
-            DriverError::NoSpace => "not enough free descriptors",
-            DriverError::BadChain => "empty or oversized chain",
-            DriverError::NoIndirect => "no indirect descriptor pool",
-            DriverError::NotKept => "head is not a kept chain",
-            DriverError::UsedIdxAhead => "device moved used.idx past the chains in flight",
-            DriverError::BadUsedId => "device returned a head past the queue size",
-            DriverError::UsedNotInFlight => "device returned a head that was not in flight",
-        };
-        f.write_str(s)
-    }
-}
-
-impl std::error::Error for DriverError {}
-
-/// A descriptor as the spec lays it out (values in host order here).
+/// A split-ring descriptor as the spec lays it out (values in host order here).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Descriptor {
     /// Guest-physical buffer address.
@@ -189,39 +24,6 @@ pub struct Descriptor {
     pub flags: u16,
     /// Next descriptor when flags has NEXT.
     pub next: u16,
-}
-
-/// A buffer of a chain: guest-physical address and length.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Buf {
-    /// Guest-physical address.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u32,
-}
-
-/// A completed chain taken from the used ring.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Used {
-    /// Head descriptor index.
-    pub id: u16,
-    /// Bytes the device wrote.
-    pub len: u32,
-    /// The token given to `add`.
-    pub token: u64,
-}
-
-/// Driver counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DriverStats {
-    /// Chains made available (add + repost).
-    pub added: u64,
-    /// Used entries taken.
-    pub used: u64,
-    /// avail.idx stores.
-    pub publishes: u64,
-    /// Kicks the notification logic asked for.
-    pub kicks: u64,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -287,8 +89,9 @@ pub struct SplitDriver {
     pub stats: DriverStats,
 }
 
-// SAFETY: the ring pointers point into `mem`'s mapping, kept alive by the Arc;
-// a driver queue is owned by one thread at a time.
+// SAFETY: the ring pointers point into `mem`'s mapping, kept alive by its
+// Arc for as long as the driver lives; a driver queue is used by one thread
+// at a time (it is not Sync), so moving it to another thread is sound.
 unsafe impl Send for SplitDriver {}
 
 impl SplitDriver {
@@ -307,7 +110,16 @@ impl SplitDriver {
         let desc = mem.host(layout.desc, dl).ok_or(DriverError::NotMapped)?;
         let avail = mem.host(layout.avail, al).ok_or(DriverError::NotMapped)?;
         let used = mem.host(layout.used, ul).ok_or(DriverError::NotMapped)?;
-        // SAFETY: the three ranges were bounds-checked against the mapping above.
+        // The accesses below assume the host addresses are as aligned as the
+        // guest-physical ones (a gpa_base at an odd offset breaks that).
+        if !(desc as usize).is_multiple_of(16)
+            || !(avail as usize).is_multiple_of(2)
+            || !(used as usize).is_multiple_of(4)
+        {
+            return Err(DriverError::Misaligned);
+        }
+        // SAFETY: the three ranges were bounds-checked against the mapping
+        // above; the driver owns the rings, nobody else writes them yet.
         unsafe {
             std::ptr::write_bytes(desc, 0, dl as usize);
             std::ptr::write_bytes(avail, 0, al as usize);
@@ -822,154 +634,13 @@ impl SplitDriver {
     }
 }
 
-/// A driver-side ring of either layout, for code that drives both.
-pub enum DriverRing {
-    /// Split ring.
-    Split(SplitDriver),
-    /// Packed ring.
-    Packed(crate::packed_driver::PackedDriver),
-}
-
-macro_rules! each_driver {
-    ($self:expr, $q:ident => $e:expr) => {
-        match $self {
-            DriverRing::Split($q) => $e,
-            DriverRing::Packed($q) => $e,
-        }
-    };
-}
-
-impl DriverRing {
-    /// The split ring, for tests that write raw split-ring state.
-    pub fn split(&mut self) -> Option<&mut SplitDriver> {
-        match self {
-            DriverRing::Split(q) => Some(q),
-            DriverRing::Packed(_) => None,
-        }
-    }
-
-    /// The packed ring, for tests that write raw packed-ring state.
-    pub fn packed(&mut self) -> Option<&mut crate::packed_driver::PackedDriver> {
-        match self {
-            DriverRing::Packed(q) => Some(q),
-            DriverRing::Split(_) => None,
-        }
-    }
-
-    /// True for a packed ring.
-    pub fn is_packed(&self) -> bool {
-        matches!(self, DriverRing::Packed(_))
-    }
-
-    /// The layout.
-    pub fn layout(&self) -> RingLayout {
-        each_driver!(self, q => q.layout())
-    }
-
-    /// Queue size.
-    pub fn size(&self) -> u16 {
-        each_driver!(self, q => q.size())
-    }
-
-    /// The driver memory.
-    pub fn memory(&self) -> &DriverMemory {
-        each_driver!(self, q => q.memory())
-    }
-
-    /// Chains in flight.
-    pub fn in_flight(&self) -> u16 {
-        each_driver!(self, q => q.in_flight())
-    }
-
-    /// Counters.
-    pub fn stats(&self) -> DriverStats {
-        each_driver!(self, q => q.stats)
-    }
-
-    /// See `SplitDriver::set_indirect_pool`.
-    pub fn set_indirect_pool(&mut self, gpa: u64, max_per_chain: u16) -> Result<(), DriverError> {
-        each_driver!(self, q => q.set_indirect_pool(gpa, max_per_chain))
-    }
-
-    /// See `SplitDriver::add`.
-    pub fn add(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
-        each_driver!(self, q => q.add(readable, writable, token))
-    }
-
-    /// See `SplitDriver::add_indirect`.
-    pub fn add_indirect(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
-        each_driver!(self, q => q.add_indirect(readable, writable, token))
-    }
-
-    /// See `SplitDriver::prepare`.
-    pub fn prepare(&mut self, readable: &[Buf], writable: &[Buf], token: u64) -> Result<u16, DriverError> {
-        each_driver!(self, q => q.prepare(readable, writable, token))
-    }
-
-    /// See `SplitDriver::repost`.
-    #[inline]
-    pub fn repost(&mut self, head: u16) -> Result<(), DriverError> {
-        each_driver!(self, q => q.repost(head))
-    }
-
-    /// See `SplitDriver::set_kept_len`.
-    #[inline]
-    pub fn set_kept_len(&mut self, head: u16, len: u32) -> Result<(), DriverError> {
-        each_driver!(self, q => q.set_kept_len(head, len))
-    }
-
-    /// See `SplitDriver::free_kept`.
-    pub fn free_kept(&mut self, head: u16) -> Result<(), DriverError> {
-        each_driver!(self, q => q.free_kept(head))
-    }
-
-    /// See `SplitDriver::publish`.
-    #[inline]
-    pub fn publish(&mut self) -> u16 {
-        each_driver!(self, q => q.publish())
-    }
-
-    /// See `SplitDriver::publish_and_check_kick`.
-    #[inline]
-    pub fn publish_and_check_kick(&mut self) -> bool {
-        each_driver!(self, q => q.publish_and_check_kick())
-    }
-
-    /// See `SplitDriver::pop_used`.
-    pub fn pop_used(&mut self) -> Result<Option<Used>, DriverError> {
-        each_driver!(self, q => q.pop_used())
-    }
-
-    /// See `SplitDriver::pop_used_batch`.
-    #[inline]
-    pub fn pop_used_batch(&mut self, out: &mut [Used], keep: bool) -> Result<usize, DriverError> {
-        each_driver!(self, q => q.pop_used_batch(out, keep))
-    }
-
-    /// See `SplitDriver::enable_notifications`.
-    pub fn enable_notifications(&mut self) -> bool {
-        each_driver!(self, q => q.enable_notifications())
-    }
-
-    /// See `SplitDriver::disable_notifications`.
-    pub fn disable_notifications(&mut self) {
-        each_driver!(self, q => q.disable_notifications())
-    }
-
-    /// See `SplitDriver::refresh_disabled`.
-    #[inline]
-    pub fn refresh_disabled(&mut self) {
-        each_driver!(self, q => q.refresh_disabled())
-    }
-}
-
 /// # Safety
 /// `p` must be valid for a 16-byte write.
 #[inline]
 unsafe fn write_desc_raw(p: *mut u8, d: Descriptor) {
     let hi = d.len as u64 | (d.flags as u64) << 32 | (d.next as u64) << 48;
     // SAFETY: the caller guarantees 16 writable bytes.
-    unsafe { crate::ring::write_desc_words(p, d.addr, hi) }
+    unsafe { raw::write16(p, d.addr, hi) }
 }
 
 /// # Safety
@@ -977,18 +648,20 @@ unsafe fn write_desc_raw(p: *mut u8, d: Descriptor) {
 #[inline]
 unsafe fn read_desc_raw(p: *const u8) -> Descriptor {
     // SAFETY: the caller guarantees 16 readable bytes.
-    let (addr, rest) = unsafe { crate::ring::read_desc_words(p) };
+    let (addr, rest) = unsafe { raw::read16(p) };
     Descriptor { addr, len: rest as u32, flags: (rest >> 32) as u16, next: (rest >> 48) as u16 }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::SharedMemory;
+    use std::sync::Arc;
 
     const GPA: u64 = 0x10_0000;
 
     fn setup(size: u16, features: u64) -> SplitDriver {
-        let m = Mapping::anonymous(1 << 20).unwrap();
+        let m = Arc::new(SharedMemory::anonymous(1 << 20).unwrap());
         let mem = DriverMemory::new(m, GPA);
         SplitDriver::new(mem, RingLayout::at(GPA, size), features).unwrap()
     }
@@ -1030,19 +703,8 @@ mod tests {
     }
 
     #[test]
-    fn layout_is_aligned_and_disjoint() {
-        let l = RingLayout::at(0x1003, 256);
-        assert_eq!(l.desc % 64, 0);
-        assert!(l.avail >= l.desc + 256 * 16);
-        assert_eq!(l.used % 64, 0);
-        assert!(l.used >= l.avail + 6 + 512);
-        assert!(l.end() >= l.used + 6 + 8 * 256);
-        assert!(RingLayout::footprint(256) >= l.end() - l.desc);
-    }
-
-    #[test]
     fn bad_setup_refused() {
-        let m = Mapping::anonymous(1 << 16).unwrap();
+        let m = Arc::new(SharedMemory::anonymous(1 << 16).unwrap());
         let mem = DriverMemory::new(m, 0);
         let mut l = RingLayout::at(0, 256);
         l.size = 3;
@@ -1174,6 +836,31 @@ mod tests {
     }
 
     #[test]
+    fn an_in_order_entry_stands_for_the_chains_before_it() {
+        let mut q = setup(8, features::IN_ORDER);
+        let h: Vec<u16> = (0..4).map(|t| q.add(&[], &[Buf { addr: 0x1000 * t, len: 64 }], t).unwrap()).collect();
+        q.publish();
+        // One entry, in the batch's first slot, naming its third chain;
+        // used.idx first moved by one only, then by the whole batch.
+        dev32(&q, USED_RING, h[2] as u32);
+        dev32(&q, USED_RING + 4, 9);
+        dev16(&q, USED_IDX, 1);
+        assert_eq!(q.pop_used().unwrap(), Some(Used { id: h[0], len: 0, token: 0 }), "skipped: length 0");
+        assert_eq!(q.pop_used().unwrap(), None, "used.idx covers one chain");
+        dev16(&q, USED_IDX, 3);
+        let mut out = [Used::default(); 8];
+        assert_eq!(q.pop_used_batch(&mut out, false), Ok(2));
+        assert_eq!(out[..2], [Used { id: h[1], len: 0, token: 1 }, Used { id: h[2], len: 9, token: 2 }]);
+        // A hostile entry for the last chain: a head no longer in flight.
+        dev32(&q, USED_RING + 8 * 3, h[1] as u32);
+        dev16(&q, USED_IDX, 4);
+        assert_eq!(q.pop_used(), Err(DriverError::UsedNotInFlight));
+        dev32(&q, USED_RING + 8 * 3, h[3] as u32);
+        assert_eq!(q.pop_used().unwrap().map(|u| u.id), Some(h[3]));
+        assert_eq!((q.in_flight(), q.num_free(), q.last_used()), (0, 8, 4));
+    }
+
+    #[test]
     fn kick_decision_without_event_idx() {
         let mut q = setup(8, 0);
         assert!(!q.needs_kick(), "nothing published");
@@ -1256,76 +943,5 @@ mod tests {
         q.set_avail_idx(0x1234);
         assert_eq!(q.avail_idx(), 0x1234);
         assert_eq!(q.avail_shadow(), 0x1234);
-    }
-
-    /// Our driver against the crate's device side over the same memory:
-    /// chains, lengths, directions, indirect tables and kicks agree.
-    #[test]
-    fn round_trip_with_device_side() {
-        use crate::memory::{GuestMemory, Region};
-        use crate::split::{Access, AddrSpace, Batch, SplitConfig, SplitQueue};
-        let m = Mapping::anonymous(1 << 20).unwrap();
-        let gm =
-            GuestMemory::from_regions(vec![Region::new(GPA, 1 << 20, 0x7000_0000, m.clone(), 0).unwrap()]).unwrap();
-        let feats = features::EVENT_IDX | features::INDIRECT_DESC;
-        let layout = RingLayout::at(GPA, 16);
-        let mut drv = SplitDriver::new(DriverMemory::new(m, GPA), layout, feats).unwrap();
-        drv.set_indirect_pool(GPA + 0x4000, 4).unwrap();
-        let cfg = SplitConfig {
-            size: 16,
-            desc: layout.desc,
-            avail: layout.avail,
-            used: layout.used,
-            features: feats,
-            next_avail: 0,
-        };
-        let mut dev = SplitQueue::new(std::sync::Arc::new(gm), cfg, AddrSpace::GuestPhysical).unwrap();
-        let mut batch = Batch::new();
-        let mut out = [Used::default(); 16];
-        for round in 0..5000u64 {
-            let k = (round % 5 + 1) as usize;
-            for j in 0..k {
-                let r = [Buf { addr: GPA + 0x8000 + 64 * j as u64, len: 12 }];
-                let w = [Buf { addr: GPA + 0x9000, len: 100 + j as u32 }, Buf { addr: GPA + 0xa000, len: 7 }];
-                if j % 2 == 0 {
-                    drv.add(&r, &w, round * 10 + j as u64).unwrap();
-                } else {
-                    drv.add_indirect(&r, &w, round * 10 + j as u64).unwrap();
-                }
-            }
-            let kick = drv.publish_and_check_kick();
-            assert!(kick, "device re-enabled kicks at the index it had seen");
-            assert_eq!(dev.pop_batch(&mut batch, 64, Access::ReadThenWrite), k);
-            for c in &batch.chains {
-                assert_eq!(c.read_len, 12);
-                dev.add_used(c.head, c.write_len);
-            }
-            dev.publish_used();
-            dev.enable_notifications();
-            let n = drv.pop_used_batch(&mut out, false).unwrap();
-            assert_eq!(n, k);
-            for (j, u) in out[..n].iter().enumerate() {
-                assert_eq!(u.token, round * 10 + j as u64);
-                assert_eq!(u.len, 107 + j as u32);
-            }
-            assert_eq!(drv.num_free(), 16);
-            assert_eq!(dev.stats.bad_chains, 0);
-        }
-    }
-
-    #[test]
-    fn memory_bounds() {
-        let m = Mapping::anonymous(4096).unwrap();
-        let mem = DriverMemory::new(m, 0x1000);
-        assert!(mem.host(0x1000, 4096).is_some());
-        assert!(mem.host(0x1fff, 2).is_none());
-        assert!(mem.host(0xfff, 1).is_none());
-        assert!(mem.host(u64::MAX, 2).is_none());
-        assert!(mem.write(0x1ffe, &[1, 2]));
-        let mut b = [0u8; 2];
-        assert!(mem.read(0x1ffe, &mut b));
-        assert_eq!(b, [1, 2]);
-        let p = mem.host(0x1800, 1).unwrap();
-        assert_eq!(mem.gpa_of(p), Some(0x1800));
     }
 }
