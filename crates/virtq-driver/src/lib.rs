@@ -9,8 +9,11 @@
 //! constants and pure functions of `virtq::ring`; it never touches the device
 //! side's guest-memory types.
 //!
-//! [`SplitDriver`] and [`PackedDriver`] drive one ring each; [`DriverRing`]
-//! holds either, for code that drives both.
+//! [`SplitDriver`] and [`PackedDriver`] differ in how they write chains into
+//! their rings and in how they read the next used element; the bookkeeping of
+//! chains in flight, the checks of what the device returns and the pop loop
+//! are written once (the private `inflight` module). [`DriverRing`] holds
+//! either, for code that drives both.
 //!
 //! Built for speed: descriptors for fixed-size buffers can be built once and
 //! then only recycled (`pop_used_keep` + `repost`), a batch is made visible
@@ -25,6 +28,7 @@
 #![deny(missing_docs)]
 
 mod driver_ring;
+mod inflight;
 mod memory;
 mod packed;
 mod raw;

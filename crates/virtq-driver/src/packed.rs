@@ -8,8 +8,8 @@
 //! Whatever the device writes is checked: a used id that is not in flight is
 //! an error, never a panic.
 
+use crate::inflight::{self, InFlight, UsedRing};
 use crate::{Buf, DriverError, DriverMemory, DriverStats, RingLayout, Used};
-use std::collections::VecDeque;
 use std::sync::atomic::{fence, Ordering};
 use virtq::ring::{
     desc_table_size, features, DESC_SIZE, MAX_QUEUE_SIZE, RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE,
@@ -30,15 +30,10 @@ pub struct PackedDesc {
     pub flags: u16,
 }
 
+/// What an id's chain is made of, to write it into the ring at each post
+/// (its in-flight state is in the shared `InFlight`).
 #[derive(Clone, Default)]
-struct IdState {
-    allocated: bool,
-    in_flight: bool,
-    /// Ring slots the chain takes when posted (1 for an indirect chain).
-    ndesc: u16,
-    /// Device-writable bytes (the length a skipped in-order buffer used).
-    write_len: u32,
-    token: u64,
+struct Contents {
     /// The buffers (device-writable flag with each); empty for indirect.
     bufs: Vec<(Buf, bool)>,
     /// Indirect table address and length, when the chain is indirect.
@@ -61,12 +56,12 @@ pub struct PackedDriver {
     driver_evt: *mut u8,
     device_evt: *mut u8,
     event_idx: bool,
-    in_order: bool,
-    ids: Vec<IdState>,
+    /// Chains by buffer id: in flight, kept, tokens, IN_ORDER batches.
+    chains: InFlight,
+    contents: Vec<Contents>,
     free_ids: Vec<u16>,
     /// Free ring slots.
     num_free: u16,
-    in_flight: u16,
     next_avail: u16,
     avail_wrap: bool,
     /// First descriptor of the unpublished batch and its flags.
@@ -74,12 +69,9 @@ pub struct PackedDriver {
     /// Avail position (linear, mod 2 * size) as last published / kicked.
     published: u32,
     kicked_at: u32,
+    /// Ring slot of the next used descriptor to read, past the chains taken.
     next_used: u16,
     used_wrap: bool,
-    /// Ids in the order they were made available (for IN_ORDER skips).
-    avail_order: VecDeque<u16>,
-    /// Completions found (an in-order skip yields several) not yet returned.
-    ready: VecDeque<Used>,
     indirect: Option<IndirectPool>,
     /// Counters.
     pub stats: DriverStats,
@@ -134,11 +126,10 @@ impl PackedDriver {
             driver_evt,
             device_evt,
             event_idx: features & features::EVENT_IDX != 0,
-            in_order: features & features::IN_ORDER != 0,
-            ids: vec![IdState::default(); n as usize],
+            chains: InFlight::new(n, features & features::IN_ORDER != 0),
+            contents: vec![Contents::default(); n as usize],
             free_ids: (0..n).rev().collect(),
             num_free: n,
-            in_flight: 0,
             next_avail: 0,
             avail_wrap: true,
             pending_first: None,
@@ -146,8 +137,6 @@ impl PackedDriver {
             kicked_at: 0,
             next_used: 0,
             used_wrap: true,
-            avail_order: VecDeque::with_capacity(n as usize),
-            ready: VecDeque::new(),
             indirect: None,
             stats: DriverStats::default(),
         })
@@ -189,7 +178,7 @@ impl PackedDriver {
 
     /// Chains made available and not yet returned by the device.
     pub fn in_flight(&self) -> u16 {
-        self.in_flight
+        self.chains.count()
     }
 
     /// Next ring slot the driver will write and its wrap counter.
@@ -197,9 +186,16 @@ impl PackedDriver {
         (self.next_avail, self.avail_wrap)
     }
 
-    /// Next ring slot where the device's used descriptor is expected.
+    /// Next ring slot where the device's used descriptor is expected (past
+    /// the whole batch an IN_ORDER used descriptor stood for, even while
+    /// some of its chains are still to be taken).
     pub fn used_position(&self) -> (u16, bool) {
-        (self.next_used, self.used_wrap)
+        let next = self.next_used as u32 + self.chains.pending_ndesc();
+        if next >= self.size as u32 {
+            ((next - self.size as u32) as u16, !self.used_wrap)
+        } else {
+            (next as u16, self.used_wrap)
+        }
     }
 
     /// Host pointers of the descriptor ring, driver area and device area.
@@ -210,22 +206,17 @@ impl PackedDriver {
     /// Writes ring slot `i` (modulo the size) raw, flags last (for tests
     /// that build hostile rings).
     pub fn write_desc(&mut self, i: u16, d: PackedDesc) {
-        let base = (i % self.size) as usize * 16;
-        // SAFETY: base + 16 <= size * 16, the ring's translated length; the
-        // ring is 16-aligned so every field is aligned.
-        unsafe {
-            std::ptr::write_volatile(self.ring.add(base) as *mut u64, d.addr.to_le());
-            std::ptr::write_volatile(self.ring.add(base + DESC_LEN) as *mut u32, d.len.to_le());
-            std::ptr::write_volatile(self.ring.add(base + DESC_ID) as *mut u16, d.id.to_le());
-        }
+        let slot = i % self.size;
+        self.write_body(slot, d.addr, d.len, d.id);
         fence(Ordering::Release);
-        self.store16(self.ring, base + DESC_FLAGS, d.flags);
+        self.store16(self.ring, slot as usize * 16 + DESC_FLAGS, d.flags);
     }
 
     /// Reads ring slot `i` (modulo the size).
     pub fn read_desc(&self, i: u16) -> PackedDesc {
         let base = (i % self.size) as usize * 16;
-        // SAFETY: as write_desc.
+        // SAFETY: base + 16 <= size * 16, the ring's translated length; the
+        // ring is 16-aligned (checked at set-up), so every field is aligned.
         unsafe {
             PackedDesc {
                 addr: u64::from_le(std::ptr::read_volatile(self.ring.add(base) as *const u64)),
@@ -248,7 +239,7 @@ impl PackedDriver {
     #[inline]
     fn load16(&self, base: *mut u8, off: usize) -> u16 {
         // SAFETY: callers pass a base translated with its length at set-up and
-        // an in-range, 2-aligned offset.
+        // an in-range, 2-aligned offset (bases are at least 4-aligned).
         u16::from_le(unsafe { std::ptr::read_volatile(base.add(off) as *const u16) })
     }
 
@@ -264,16 +255,38 @@ impl PackedDriver {
 
     // ---- adding chains ----------------------------------------------------
 
-    fn alloc_id(&mut self, bufs: Vec<(Buf, bool)>, table: Option<(u64, u32)>, token: u64) -> Result<u16, DriverError> {
+    /// Takes a free id for a chain of `readable` then `writable` buffers
+    /// (direct, or behind the indirect `table`).
+    fn alloc_id(
+        &mut self,
+        readable: &[Buf],
+        writable: &[Buf],
+        table: Option<(u64, u32)>,
+        token: u64,
+    ) -> Result<u16, DriverError> {
         let id = self.free_ids.pop().ok_or(DriverError::NoSpace)?;
-        let write_len = bufs.iter().filter(|(_, w)| *w).map(|(b, _)| b.len).fold(0u32, u32::wrapping_add);
-        let ndesc = if table.is_some() { 1 } else { bufs.len() as u16 };
-        self.ids[id as usize] = IdState { allocated: true, in_flight: false, ndesc, write_len, token, bufs, table };
+        let c = &mut self.contents[id as usize];
+        c.bufs.clear();
+        c.bufs.extend(readable.iter().map(|b| (*b, false)).chain(writable.iter().map(|b| (*b, true))));
+        c.table = table;
+        let write_len = writable.iter().map(|b| b.len).fold(0u32, u32::wrapping_add);
+        let ndesc = if table.is_some() { 1 } else { c.bufs.len() as u16 };
+        // A skipped in-order chain counts as wholly used: its writable bytes.
+        self.chains.allocate(id, ndesc, write_len, token);
         Ok(id)
     }
 
-    fn collect(readable: &[Buf], writable: &[Buf]) -> Vec<(Buf, bool)> {
-        readable.iter().map(|b| (*b, false)).chain(writable.iter().map(|b| (*b, true))).collect()
+    /// Gives `id` back (its bookkeeping is freed separately).
+    fn release_id(&mut self, id: u16) {
+        let c = &mut self.contents[id as usize];
+        c.bufs.clear();
+        c.table = None;
+        self.free_ids.push(id);
+    }
+
+    fn free_id(&mut self, id: u16) {
+        self.chains.free(id);
+        self.release_id(id);
     }
 
     /// Makes a chain of `readable` then `writable` buffers available (not yet
@@ -293,7 +306,7 @@ impl PackedDriver {
         if total == 0 || total > self.size as usize {
             return Err(DriverError::BadChain);
         }
-        self.alloc_id(Self::collect(readable, writable), None, token)
+        self.alloc_id(readable, writable, None, token)
     }
 
     /// Like `add`, with the buffers in this id's indirect table (one ring slot).
@@ -303,22 +316,22 @@ impl PackedDriver {
         if total == 0 || total > pool.max as usize {
             return Err(DriverError::BadChain);
         }
-        let bufs = Self::collect(readable, writable);
         let id = *self.free_ids.last().ok_or(DriverError::NoSpace)?;
         let base = id as usize * pool.max as usize * 16;
-        for (i, (b, w)) in bufs.iter().enumerate() {
+        for (i, (b, w)) in readable.iter().map(|b| (b, false)).chain(writable.iter().map(|b| (b, true))).enumerate() {
             // SAFETY: id < size and i < max: the entry lies inside the pool
-            // (size * max * 16 bytes, checked in set_indirect_pool), 16-aligned.
+            // (size * max * 16 bytes, checked in set_indirect_pool), and is
+            // 16-aligned (the pool is), so every field is aligned.
             unsafe {
                 let p = pool.host.add(base + i * 16);
                 std::ptr::write_volatile(p as *mut u64, b.addr.to_le());
                 std::ptr::write_volatile(p.add(8) as *mut u32, b.len.to_le());
                 std::ptr::write_volatile(p.add(12) as *mut u16, 0);
-                std::ptr::write_volatile(p.add(14) as *mut u16, if *w { VRING_DESC_F_WRITE } else { 0 }.to_le());
+                std::ptr::write_volatile(p.add(14) as *mut u16, if w { VRING_DESC_F_WRITE } else { 0 }.to_le());
             }
         }
         let table = (pool.gpa + base as u64, (total * 16) as u32);
-        let id = self.alloc_id(bufs, Some(table), token)?;
+        let id = self.alloc_id(readable, writable, Some(table), token)?;
         if let Err(e) = self.post(id) {
             self.free_id(id);
             return Err(e);
@@ -326,15 +339,11 @@ impl PackedDriver {
         Ok(id)
     }
 
-    fn free_id(&mut self, id: u16) {
-        self.ids[id as usize] = IdState::default();
-        self.free_ids.push(id);
-    }
-
     /// Writes chain `id` into the next ring slots.
     fn post(&mut self, id: u16) -> Result<(), DriverError> {
-        let st = &self.ids[id as usize];
-        let (ndesc, table, n) = (st.ndesc, st.table, st.bufs.len());
+        let c = &self.contents[id as usize];
+        let (table, n) = (c.table, c.bufs.len());
+        let ndesc = if table.is_some() { 1 } else { n as u16 };
         if ndesc > self.num_free {
             return Err(DriverError::NoSpace);
         }
@@ -352,7 +361,7 @@ impl PackedDriver {
         } else {
             let mut ff = 0;
             for k in 0..n {
-                let (b, w) = self.ids[id as usize].bufs[k];
+                let (b, w) = self.contents[id as usize].bufs[k];
                 let mut f = Self::avail_bits(self.avail_wrap);
                 if w {
                     f |= VRING_DESC_F_WRITE;
@@ -385,11 +394,7 @@ impl PackedDriver {
             self.store16(self.ring, first as usize * 16 + DESC_FLAGS, first_flags);
         }
         self.num_free -= ndesc;
-        self.ids[id as usize].in_flight = true;
-        self.in_flight += 1;
-        if self.in_order {
-            self.avail_order.push_back(id);
-        }
+        self.chains.posted(id);
         self.stats.added += 1;
         Ok(())
     }
@@ -397,7 +402,8 @@ impl PackedDriver {
     #[inline]
     fn write_body(&mut self, slot: u16, addr: u64, len: u32, id: u16) {
         let base = slot as usize * 16;
-        // SAFETY: slot < size; fields aligned in the 16-aligned ring.
+        // SAFETY: slot < size, so the 14 bytes lie inside the ring; the ring
+        // is 16-aligned (checked at set-up), so every field is aligned.
         unsafe {
             std::ptr::write_volatile(self.ring.add(base) as *mut u64, addr.to_le());
             std::ptr::write_volatile(self.ring.add(base + DESC_LEN) as *mut u32, len.to_le());
@@ -408,33 +414,28 @@ impl PackedDriver {
     /// Makes a kept chain available again.
     #[inline]
     pub fn repost(&mut self, id: u16) -> Result<(), DriverError> {
-        let st = self.ids.get(id as usize).ok_or(DriverError::NotKept)?;
-        if !st.allocated || st.in_flight {
-            return Err(DriverError::NotKept);
-        }
+        self.chains.kept(id)?;
         self.post(id)
     }
 
     /// Changes the length of a kept single-buffer chain before reposting it.
     #[inline]
     pub fn set_kept_len(&mut self, id: u16, len: u32) -> Result<(), DriverError> {
-        let st = self.ids.get_mut(id as usize).ok_or(DriverError::NotKept)?;
-        if !st.allocated || st.in_flight || st.bufs.len() != 1 || st.table.is_some() {
+        self.chains.kept(id)?;
+        let c = &mut self.contents[id as usize];
+        if c.bufs.len() != 1 || c.table.is_some() {
             return Err(DriverError::NotKept);
         }
-        st.bufs[0].0.len = len;
-        if st.bufs[0].1 {
-            st.write_len = len;
+        c.bufs[0].0.len = len;
+        if c.bufs[0].1 {
+            self.chains.set_skip_len(id, len);
         }
         Ok(())
     }
 
     /// Returns a kept chain's id.
     pub fn free_kept(&mut self, id: u16) -> Result<(), DriverError> {
-        let st = self.ids.get(id as usize).ok_or(DriverError::NotKept)?;
-        if !st.allocated || st.in_flight {
-            return Err(DriverError::NotKept);
-        }
+        self.chains.kept(id)?;
         self.free_id(id);
         Ok(())
     }
@@ -492,6 +493,8 @@ impl PackedDriver {
 
     // ---- taking used descriptors ----------------------------------------------
 
+    /// Whether the descriptor at the used position is marked used in the
+    /// current lap.
     #[inline]
     fn used_visible(&self) -> bool {
         let f = self.load16(self.ring, self.next_used as usize * 16 + DESC_FLAGS);
@@ -500,87 +503,26 @@ impl PackedDriver {
         a == self.used_wrap && u == self.used_wrap
     }
 
-    /// Reads the next used descriptor into `ready` (several for an in-order skip).
-    fn fetch_used(&mut self) -> Result<bool, DriverError> {
-        if self.in_flight == 0 || !self.used_visible() {
-            return Ok(false);
-        }
-        fence(Ordering::Acquire);
-        let d = self.read_desc(self.next_used);
-        let id = d.id;
-        let st = self.ids.get(id as usize).ok_or(DriverError::BadUsedId)?;
-        if !st.in_flight {
-            return Err(DriverError::UsedNotInFlight);
-        }
-        let mut skip = 0u32;
-        if self.in_order {
-            // Everything made available before `id` is used too (a skip).
-            while let Some(front) = self.avail_order.pop_front() {
-                let s = &self.ids[front as usize];
-                skip += s.ndesc as u32;
-                let len = if front == id { d.len } else { s.write_len };
-                self.ready.push_back(Used { id: front, len, token: s.token });
-                if front == id {
-                    break;
-                }
-            }
-        } else {
-            skip = st.ndesc as u32;
-            self.ready.push_back(Used { id, len: d.len, token: st.token });
-        }
-        let next = self.next_used as u32 + skip;
-        if next >= self.size as u32 {
-            self.used_wrap = !self.used_wrap;
-        }
-        self.next_used = (next % self.size as u32) as u16;
-        Ok(true)
-    }
-
-    fn take_used(&mut self, keep: bool) -> Result<Option<Used>, DriverError> {
-        if self.ready.is_empty() && !self.fetch_used()? {
-            return Ok(None);
-        }
-        let Some(u) = self.ready.pop_front() else { return Ok(None) };
-        let st = &mut self.ids[u.id as usize];
-        st.in_flight = false;
-        let ndesc = st.ndesc;
-        self.num_free += ndesc;
-        self.in_flight -= 1;
-        self.stats.used += 1;
-        if !keep {
-            self.free_id(u.id);
-        }
-        Ok(Some(u))
-    }
-
     /// Whether a used descriptor is ready (1) or not (0).
     pub fn used_ready(&mut self) -> Result<u16, DriverError> {
-        Ok((!self.ready.is_empty() || (self.in_flight != 0 && self.used_visible())) as u16)
+        inflight::used_ready(self)
     }
 
     /// Takes the next completion and frees its id.
     pub fn pop_used(&mut self) -> Result<Option<Used>, DriverError> {
-        self.take_used(false)
+        inflight::take_used(self, false)
     }
 
     /// Takes the next completion, keeping the chain for `repost`.
     pub fn pop_used_keep(&mut self) -> Result<Option<Used>, DriverError> {
-        self.take_used(true)
+        inflight::take_used(self, true)
     }
 
-    /// Takes up to `out.len()` completions.
+    /// Takes up to `out.len()` completions. On a device error the ones taken
+    /// so far are still in `out[..n]` and the error is returned.
+    #[inline]
     pub fn pop_used_batch(&mut self, out: &mut [Used], keep: bool) -> Result<usize, DriverError> {
-        let mut n = 0;
-        while n < out.len() {
-            match self.take_used(keep)? {
-                Some(u) => {
-                    out[n] = u;
-                    n += 1;
-                }
-                None => break,
-            }
-        }
-        Ok(n)
+        inflight::pop_used_batch(self, out, keep)
     }
 
     // ---- interrupt suppression ----------------------------------------------
@@ -590,7 +532,7 @@ impl PackedDriver {
     pub fn enable_notifications(&mut self) -> bool {
         self.store16(self.driver_evt, EVT_FLAGS, RING_EVENT_FLAGS_ENABLE);
         fence(Ordering::SeqCst);
-        !self.ready.is_empty() || (self.in_flight != 0 && self.used_visible())
+        self.chains.batch_pending() || (self.chains.count() != 0 && self.used_visible())
     }
 
     /// Asks the device not to call.
@@ -601,6 +543,64 @@ impl PackedDriver {
     /// Nothing to refresh: DISABLE does not expire on a packed ring.
     #[inline]
     pub fn refresh_disabled(&mut self) {}
+}
+
+/// The packed used ring: the device writes a used descriptor over the slot
+/// of the chain's first descriptor (with IN_ORDER, one for a whole batch,
+/// in the first slot of the batch) and marks it used in its lap; the chains
+/// taken move the used position by their ring slots.
+impl UsedRing for PackedDriver {
+    #[inline(always)]
+    fn chains(&mut self) -> &mut InFlight {
+        &mut self.chains
+    }
+
+    #[inline(always)]
+    fn stats_mut(&mut self) -> &mut DriverStats {
+        &mut self.stats
+    }
+
+    #[inline(always)]
+    fn used_count(&mut self, in_flight: u16, batch_pending: bool) -> Result<u16, DriverError> {
+        // The rest of a batch is known to be used; otherwise one descriptor
+        // at a time.
+        Ok((batch_pending || (in_flight != 0 && self.used_visible())) as u16)
+    }
+
+    #[inline(always)]
+    fn read_used(&self) -> (u16, u32) {
+        // The id and length are read after the flags that said "used".
+        fence(Ordering::Acquire);
+        let base = self.next_used as usize * 16;
+        // SAFETY: next_used < size, so the fields lie inside the ring, which
+        // is 16-aligned (checked at set-up): both are aligned.
+        let (len, id) = unsafe {
+            (
+                std::ptr::read_volatile(self.ring.add(base + DESC_LEN) as *const u32),
+                std::ptr::read_volatile(self.ring.add(base + DESC_ID) as *const u16),
+            )
+        };
+        (u16::from_le(id), u32::from_le(len))
+    }
+
+    #[inline(always)]
+    fn step_used(&mut self, ndesc: u16) {
+        let next = self.next_used as u32 + ndesc as u32;
+        if next >= self.size as u32 {
+            self.used_wrap = !self.used_wrap;
+            self.next_used = (next - self.size as u32) as u16;
+        } else {
+            self.next_used = next as u16;
+        }
+    }
+
+    #[inline(always)]
+    fn retire(&mut self, id: u16, ndesc: u16, keep: bool) {
+        self.num_free += ndesc;
+        if !keep {
+            self.release_id(id);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! fields (the free list lives there too); a chain's head is its id. The
 //! used ring is read through used.idx, once per batch.
 
+use crate::inflight::{self, InFlight, UsedRing};
 use crate::raw;
 use crate::{Buf, DriverError, DriverMemory, DriverStats, RingLayout, Used};
 use std::sync::atomic::{fence, AtomicU16, Ordering};
@@ -24,16 +25,6 @@ pub struct Descriptor {
     pub flags: u16,
     /// Next descriptor when flags has NEXT.
     pub next: u16,
-}
-
-#[derive(Clone, Copy, Default)]
-struct HeadState {
-    /// Descriptors of the chain in the main table (0: head not allocated).
-    ndesc: u16,
-    /// Last descriptor of the chain (to splice it back into the free list).
-    tail: u16,
-    in_flight: bool,
-    token: u64,
 }
 
 const AVAIL_FLAGS: usize = 0;
@@ -61,17 +52,15 @@ pub struct SplitDriver {
     avail: *mut u8,
     used: *mut u8,
     event_idx: bool,
-    in_order: bool,
-    /// Heads in the order they were made available (IN_ORDER only).
-    avail_order: std::collections::VecDeque<u16>,
-    /// The used entry (id, len) that ends the batch being taken (IN_ORDER).
-    batch_last: Option<(u16, u32)>,
+    /// Chains by head: in flight, kept, tokens, IN_ORDER batches.
+    chains: InFlight,
     /// Private copy of the `next` links of allocated chains and the free list.
     next: Vec<u16>,
-    heads: Vec<HeadState>,
+    /// Last descriptor of each allocated chain, by head (to splice it back
+    /// into the free list).
+    tails: Vec<u16>,
     free_head: u16,
     num_free: u16,
-    in_flight: u16,
     /// Shadow avail.idx: entries written, maybe not yet published.
     avail_shadow: u16,
     /// avail.idx as last stored.
@@ -97,7 +86,7 @@ unsafe impl Send for SplitDriver {}
 impl SplitDriver {
     /// A driver queue over rings at `layout` in `mem`, which it zeroes
     /// (a fresh ring: all indexes 0). `features` are the negotiated device
-    /// features (EVENT_IDX matters here).
+    /// features (EVENT_IDX and IN_ORDER matter here).
     pub fn new(mem: DriverMemory, layout: RingLayout, features: u64) -> Result<SplitDriver, DriverError> {
         let n = layout.size;
         if n == 0 || n > MAX_QUEUE_SIZE || !n.is_power_of_two() {
@@ -125,10 +114,6 @@ impl SplitDriver {
             std::ptr::write_bytes(avail, 0, al as usize);
             std::ptr::write_bytes(used, 0, ul as usize);
         }
-        let mut next = vec![0u16; n as usize];
-        for (i, x) in next.iter_mut().enumerate() {
-            *x = (i as u16).wrapping_add(1);
-        }
         Ok(SplitDriver {
             mem,
             layout,
@@ -137,14 +122,11 @@ impl SplitDriver {
             avail,
             used,
             event_idx: features & features::EVENT_IDX != 0,
-            in_order: features & features::IN_ORDER != 0,
-            avail_order: std::collections::VecDeque::with_capacity(n as usize),
-            batch_last: None,
-            next,
-            heads: vec![HeadState::default(); n as usize],
+            chains: InFlight::new(n, features & features::IN_ORDER != 0),
+            next: (0..n).map(|i| i.wrapping_add(1)).collect(),
+            tails: vec![0; n as usize],
             free_head: 0,
             num_free: n,
-            in_flight: 0,
             avail_shadow: 0,
             avail_published: 0,
             kicked_at: 0,
@@ -195,7 +177,7 @@ impl SplitDriver {
 
     /// Chains made available and not yet returned by the device.
     pub fn in_flight(&self) -> u16 {
-        self.in_flight
+        self.chains.count()
     }
 
     /// Shadow avail index (including entries not yet published).
@@ -213,8 +195,9 @@ impl SplitDriver {
     #[inline]
     fn atomic16(&self, base: *mut u8, off: usize) -> &AtomicU16 {
         // SAFETY: callers pass a ring base translated with its full length at
-        // set-up and an offset inside it; ring bases are at least 2-aligned and
-        // offsets even, so the u16 is aligned. The mapping outlives `self`.
+        // set-up and an offset inside it; ring bases are at least 2-aligned
+        // (checked at set-up) and offsets even, so the u16 is aligned. The
+        // mapping outlives `self`, and every access to it is atomic or volatile.
         unsafe { AtomicU16::from_ptr(base.add(off) as *mut u16) }
     }
 
@@ -232,8 +215,7 @@ impl SplitDriver {
     #[inline]
     pub fn write_desc(&mut self, i: u16, d: Descriptor) {
         let i = (i & self.mask) as usize;
-        // SAFETY: i < size and the table was translated with size * 16 bytes
-        // at a 16-aligned address.
+        // SAFETY: i < size and the table was translated with size * 16 bytes.
         unsafe { write_desc_raw(self.desc.add(i * 16), d) }
     }
 
@@ -301,10 +283,11 @@ impl SplitDriver {
     }
 
     /// used.ring[slot & mask] as (id, len), raw.
+    #[inline]
     pub fn read_used_ring(&self, slot: u16) -> (u16, u32) {
         let off = USED_RING + 8 * (slot & self.mask) as usize;
-        // SAFETY: off + 8 <= used ring length; the ring is 4-aligned, so the
-        // two u32 are aligned.
+        // SAFETY: off + 8 <= used ring length; the ring is 4-aligned (checked
+        // at set-up), so the two u32 are aligned.
         let (id, len) = unsafe {
             let p = self.used.add(off) as *const u32;
             (std::ptr::read_volatile(p), std::ptr::read_volatile(p.add(1)))
@@ -355,7 +338,9 @@ impl SplitDriver {
         }
         self.free_head = self.next[cur as usize];
         self.num_free -= total as u16;
-        self.heads[head as usize] = HeadState { ndesc: total as u16, tail: cur, in_flight: false, token };
+        self.tails[head as usize] = cur;
+        // A skipped in-order chain reports length 0.
+        self.chains.allocate(head, total as u16, 0, token);
         Ok(head)
     }
 
@@ -393,7 +378,8 @@ impl SplitDriver {
         );
         self.free_head = self.next[head as usize];
         self.num_free -= 1;
-        self.heads[head as usize] = HeadState { ndesc: 1, tail: head, in_flight: false, token };
+        self.tails[head as usize] = head;
+        self.chains.allocate(head, 1, 0, token);
         self.push_avail(head);
         Ok(head)
     }
@@ -402,11 +388,7 @@ impl SplitDriver {
     fn push_avail(&mut self, head: u16) {
         self.write_avail_ring(self.avail_shadow, head);
         self.avail_shadow = self.avail_shadow.wrapping_add(1);
-        self.heads[head as usize].in_flight = true;
-        if self.in_order {
-            self.avail_order.push_back(head);
-        }
-        self.in_flight += 1;
+        self.chains.posted(head);
         self.stats.added += 1;
     }
 
@@ -414,10 +396,7 @@ impl SplitDriver {
     /// unchanged: the fast path for fixed buffers.
     #[inline]
     pub fn repost(&mut self, head: u16) -> Result<(), DriverError> {
-        let h = self.heads.get(head as usize).ok_or(DriverError::NotKept)?;
-        if h.ndesc == 0 || h.in_flight {
-            return Err(DriverError::NotKept);
-        }
+        self.chains.kept(head)?;
         self.push_avail(head);
         Ok(())
     }
@@ -426,32 +405,29 @@ impl SplitDriver {
     /// reposting it (e.g. a TX frame of another size).
     #[inline]
     pub fn set_kept_len(&mut self, head: u16, len: u32) -> Result<(), DriverError> {
-        let h = self.heads.get(head as usize).ok_or(DriverError::NotKept)?;
-        if h.ndesc == 0 || h.in_flight {
-            return Err(DriverError::NotKept);
-        }
+        self.chains.kept(head)?;
         let off = (head as usize) * 16 + 8;
-        // SAFETY: head < size; the len field lies inside the descriptor table
-        // and is 4-aligned.
+        // SAFETY: head < size (kept checked it against the table); the len
+        // field lies inside the descriptor table and is 4-aligned.
         unsafe { std::ptr::write_volatile(self.desc.add(off) as *mut u32, len.to_le()) };
         Ok(())
     }
 
     /// Returns a kept chain's descriptors to the free list.
     pub fn free_kept(&mut self, head: u16) -> Result<(), DriverError> {
-        let h = *self.heads.get(head as usize).ok_or(DriverError::NotKept)?;
-        if h.ndesc == 0 || h.in_flight {
-            return Err(DriverError::NotKept);
-        }
-        self.free_chain(head, h);
+        let c = self.chains.kept(head)?;
+        self.chains.free(head);
+        self.release_descs(head, c.ndesc);
         Ok(())
     }
 
-    fn free_chain(&mut self, head: u16, h: HeadState) {
-        self.next[h.tail as usize] = self.free_head;
+    /// Splices the `ndesc` descriptors of the chain at `head` back into the
+    /// free list.
+    #[inline]
+    fn release_descs(&mut self, head: u16, ndesc: u16) {
+        self.next[self.tails[head as usize] as usize] = self.free_head;
         self.free_head = head;
-        self.num_free += h.ndesc;
-        self.heads[head as usize] = HeadState::default();
+        self.num_free += ndesc;
     }
 
     /// Stores avail.idx once for everything added since the last publish,
@@ -505,92 +481,28 @@ impl SplitDriver {
     /// Errors when the device claims more completions than chains in flight.
     #[inline]
     pub fn used_ready(&mut self) -> Result<u16, DriverError> {
-        let n = self.used_seen.wrapping_sub(self.last_used);
-        if n != 0 {
-            return Ok(n);
-        }
-        let idx = self.used_idx();
-        let n = idx.wrapping_sub(self.last_used);
-        if n > self.in_flight {
-            return Err(DriverError::UsedIdxAhead);
-        }
-        self.used_seen = idx;
-        Ok(n)
-    }
-
-    #[inline]
-    fn take_used(&mut self, keep: bool) -> Result<Option<Used>, DriverError> {
-        if self.used_ready()? == 0 {
-            return Ok(None);
-        }
-        let (id, len) = if self.in_order { self.take_in_order()? } else { self.read_used_ring(self.last_used) };
-        let h = *self.heads.get(id as usize).ok_or(DriverError::BadUsedId)?;
-        if !h.in_flight {
-            return Err(DriverError::UsedNotInFlight);
-        }
-        self.last_used = self.last_used.wrapping_add(1);
-        self.in_flight -= 1;
-        self.stats.used += 1;
-        if keep {
-            self.heads[id as usize].in_flight = false;
-        } else {
-            self.free_chain(id, h);
-        }
-        Ok(Some(Used { id, len, token: h.token }))
-    }
-
-    /// With IN_ORDER a used entry may stand for every chain made available
-    /// up to its id (virtio 1.2, 2.7.9): returns the oldest chain in flight,
-    /// with the entry's length if it is the one named, else 0.
-    fn take_in_order(&mut self) -> Result<(u16, u32), DriverError> {
-        let (id, len) = match self.batch_last {
-            Some(e) => e,
-            None => {
-                let e = self.read_used_ring(self.last_used);
-                if !self.heads.get(e.0 as usize).ok_or(DriverError::BadUsedId)?.in_flight {
-                    return Err(DriverError::UsedNotInFlight);
-                }
-                self.batch_last = Some(e);
-                e
-            }
-        };
-        let front = self.avail_order.pop_front().ok_or(DriverError::UsedIdxAhead)?;
-        if front == id {
-            self.batch_last = None;
-            Ok((id, len))
-        } else {
-            Ok((front, 0))
-        }
+        inflight::used_ready(self)
     }
 
     /// Takes the next used entry and frees its descriptors.
     #[inline]
     pub fn pop_used(&mut self) -> Result<Option<Used>, DriverError> {
-        self.take_used(false)
+        inflight::take_used(self, false)
     }
 
     /// Takes the next used entry but keeps its descriptors allocated, for
     /// `repost` (fixed buffers) or a later `free_kept`.
     #[inline]
     pub fn pop_used_keep(&mut self) -> Result<Option<Used>, DriverError> {
-        self.take_used(true)
+        inflight::take_used(self, true)
     }
 
     /// Takes up to `out.len()` used entries (keeping or freeing their
     /// chains), reading used.idx once. On a device error the entries taken
     /// so far are still in `out[..n]` and the error is returned.
+    #[inline]
     pub fn pop_used_batch(&mut self, out: &mut [Used], keep: bool) -> Result<usize, DriverError> {
-        let mut n = 0;
-        while n < out.len() {
-            match self.take_used(keep)? {
-                Some(u) => {
-                    out[n] = u;
-                    n += 1;
-                }
-                None => break,
-            }
-        }
-        Ok(n)
+        inflight::pop_used_batch(self, out, keep)
     }
 
     // ---- interrupt suppression ----------------------------------------------
@@ -630,6 +542,54 @@ impl SplitDriver {
     pub fn refresh_disabled(&mut self) {
         if self.event_idx && self.calls_disabled {
             self.set_used_event(self.last_used.wrapping_add(0x8000));
+        }
+    }
+}
+
+/// The split used ring: one used index per chain (an IN_ORDER device moves
+/// used.idx past every chain of a batch, writing one element for it), read
+/// through used.idx, which is loaded once per batch.
+impl UsedRing for SplitDriver {
+    #[inline(always)]
+    fn chains(&mut self) -> &mut InFlight {
+        &mut self.chains
+    }
+
+    #[inline(always)]
+    fn stats_mut(&mut self) -> &mut DriverStats {
+        &mut self.stats
+    }
+
+    #[inline(always)]
+    fn used_count(&mut self, in_flight: u16, _batch_pending: bool) -> Result<u16, DriverError> {
+        let n = self.used_seen.wrapping_sub(self.last_used);
+        if n != 0 {
+            return Ok(n);
+        }
+        let idx = self.used_idx();
+        let n = idx.wrapping_sub(self.last_used);
+        if n > in_flight {
+            return Err(DriverError::UsedIdxAhead);
+        }
+        self.used_seen = idx;
+        Ok(n)
+    }
+
+    #[inline(always)]
+    fn read_used(&self) -> (u16, u32) {
+        // used.idx was loaded with acquire: the elements below it are visible.
+        self.read_used_ring(self.last_used)
+    }
+
+    #[inline(always)]
+    fn step_used(&mut self, _ndesc: u16) {
+        self.last_used = self.last_used.wrapping_add(1);
+    }
+
+    #[inline(always)]
+    fn retire(&mut self, id: u16, ndesc: u16, keep: bool) {
+        if !keep {
+            self.release_descs(id, ndesc);
         }
     }
 }
