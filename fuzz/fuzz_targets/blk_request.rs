@@ -24,11 +24,11 @@
 
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
-use vhostd_blk::{types, BlkDevice, BlkQueue, InflightLog, InflightMap};
+use vhostd_blk::{types, BlkDevice, BlkQueue, InflightLog};
 use vhostd_block_backends::BlockSpec;
 use vhostd_fuzz::{packed_layout, packed_linear, split_layout, Guest, Reader};
 use virtq::ring::*;
-use virtq::{AddrSpace, Batch, PackedConfig, PackedQueue, Queue, SplitConfig, SplitQueue};
+use virtq::{Batch, Mapping, PackedConfig, PackedQueue, Queue, SplitConfig, SplitQueue};
 
 const TYPES: [u32; 8] =
     [types::IN, types::OUT, types::FLUSH, types::GET_ID, types::DISCARD, types::WRITE_ZEROES, 2, 0xffff_ffff];
@@ -45,25 +45,13 @@ fn lag(q: &Queue, size: u16) -> u32 {
 }
 
 /// A shared anonymous mapping for the inflight log, filled with `bytes`.
-fn inflight_map(qsize: u16, bytes: &[u8]) -> Arc<InflightMap> {
+fn inflight_map(qsize: u16, bytes: &[u8]) -> Arc<Mapping> {
     let len = vhostd_blk::inflight::region_size(qsize);
-    // SAFETY: a fresh anonymous shared mapping; checked below.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
-    let n = bytes.len().min(len);
-    // SAFETY: p is len bytes long, n <= len.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p as *mut u8, n) };
-    // SAFETY: p is a live MAP_SHARED mapping of len bytes, owned by the map.
-    Arc::new(unsafe { InflightMap::from_raw(p as *mut u8, len) })
+    let m = Mapping::anonymous(len).expect("anonymous mapping");
+    for (i, b) in bytes.iter().take(len).enumerate() {
+        m.store(i, [*b]);
+    }
+    Arc::new(m)
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -101,12 +89,12 @@ fuzz_target!(|data: &[u8]| {
         feats |= features::RING_PACKED;
         let (desc, driver, device, _) = packed_layout(0, size);
         let cfg = PackedConfig { size, desc, driver, device, features: feats, base: virtq::PACKED_BASE_INITIAL };
-        let Ok(q) = PackedQueue::new(mem.clone(), cfg, AddrSpace::GuestPhysical) else { return };
+        let Ok(q) = PackedQueue::new(mem.clone(), cfg) else { return };
         (desc, driver, Queue::Packed(q))
     } else {
         let (desc, avail, used, _) = split_layout(0, size);
         let cfg = SplitConfig { size, desc, avail, used, features: feats, next_avail: 0 };
-        let Ok(q) = SplitQueue::new(mem.clone(), cfg, AddrSpace::GuestPhysical) else { return };
+        let Ok(q) = SplitQueue::new(mem.clone(), cfg) else { return };
         (desc, avail, Queue::Split(q))
     };
 

@@ -24,7 +24,7 @@ use vhostd_backends::{Loopback, NetBackend, Sink};
 use vhostd_fuzz::{align_up, packed_layout, packed_linear, split_layout, Guest, Reader};
 use vhostd_net::{process_ctrl, process_rx, process_tx, CtrlState, DirStats, Layout};
 use virtq::ring::*;
-use virtq::{AddrSpace, Batch, PackedConfig, PackedQueue, Queue, SplitConfig, SplitQueue};
+use virtq::{Batch, PackedConfig, PackedQueue, Queue, SplitConfig, SplitQueue};
 
 static LOOPBACK: Mutex<Option<Loopback>> = Mutex::new(None);
 static SINK: Mutex<Option<Sink>> = Mutex::new(None);
@@ -54,13 +54,13 @@ impl Ring {
         if packed {
             let (desc, driver, device, end) = packed_layout(base, size);
             let cfg = PackedConfig { size, desc, driver, device, features: feats, base: virtq::PACKED_BASE_INITIAL };
-            let q = PackedQueue::new(mem.clone(), cfg, AddrSpace::GuestPhysical).ok()?;
+            let q = PackedQueue::new(mem.clone(), cfg).ok()?;
             let r = Ring { q: Queue::Packed(q), packed, desc, avail: driver, size, lag0: 0, driver_idx: 0 };
             Some((r, end))
         } else {
             let (desc, avail, used, end) = split_layout(base, size);
             let cfg = SplitConfig { size, desc, avail, used, features: feats, next_avail: 0 };
-            let q = SplitQueue::new(mem.clone(), cfg, AddrSpace::GuestPhysical).ok()?;
+            let q = SplitQueue::new(mem.clone(), cfg).ok()?;
             let lag0 = 0u16.wrapping_sub(q.next_used()) as u32;
             let driver_idx = Guest::r16(mem, avail + 2);
             let r = Ring { q: Queue::Split(q), packed, desc, avail, size, lag0, driver_idx };

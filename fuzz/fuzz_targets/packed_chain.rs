@@ -25,7 +25,7 @@ use libfuzzer_sys::fuzz_target;
 use std::collections::HashMap;
 use vhostd_fuzz::{access_of, check_batch, packed_layout, packed_linear, Guest, Reader};
 use virtq::ring::*;
-use virtq::{Access, AddrSpace, Batch, PackedConfig, PackedQueue};
+use virtq::{Access, Batch, PackedConfig, PackedQueue};
 
 struct Run {
     q: PackedQueue,
@@ -248,14 +248,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let in_order = f & 4 != 0;
     let (desc, driver, device, _) = packed_layout(0, size);
-    let (space, off) = if f & 0x20 != 0 {
-        (AddrSpace::FrontendVirtual, vhostd_fuzz::UADDR_BASE)
-    } else {
-        (AddrSpace::GuestPhysical, 0)
-    };
-    let cfg =
-        PackedConfig { size, desc: desc + off, driver: driver + off, device: device + off, features: feats, base };
-    let Ok(q) = PackedQueue::new(mem.clone(), cfg, space) else { return };
+    let cfg = PackedConfig { size, desc, driver, device, features: feats, base };
+    let Ok(q) = PackedQueue::new(mem.clone(), cfg) else { return };
     let mut run = Run {
         q,
         mem,

@@ -18,7 +18,7 @@
 use libfuzzer_sys::fuzz_target;
 use vhostd_fuzz::{access_of, check_batch, split_layout, Guest, Reader};
 use virtq::ring::{features, VRING_USED_F_NO_NOTIFY};
-use virtq::{Access, AddrSpace, Batch, SplitConfig, SplitQueue};
+use virtq::{Access, Batch, SplitConfig, SplitQueue};
 
 struct Run {
     q: SplitQueue,
@@ -142,13 +142,8 @@ fuzz_target!(|data: &[u8]| {
         feats |= features::IN_ORDER;
     }
     let (desc, avail, used, _) = split_layout(0, size);
-    let (space, off) = if f & 0x20 != 0 {
-        (AddrSpace::FrontendVirtual, vhostd_fuzz::UADDR_BASE)
-    } else {
-        (AddrSpace::GuestPhysical, 0)
-    };
-    let cfg = SplitConfig { size, desc: desc + off, avail: avail + off, used: used + off, features: feats, next_avail };
-    let Ok(q) = SplitQueue::new(mem.clone(), cfg, space) else { return };
+    let cfg = SplitConfig { size, desc, avail, used, features: feats, next_avail };
+    let Ok(q) = SplitQueue::new(mem.clone(), cfg) else { return };
     let published = q.next_used();
     assert_eq!(published, Guest::r16(&mem, used + 2), "resumes from used.idx");
     let mut run = Run {

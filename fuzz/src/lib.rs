@@ -34,10 +34,6 @@ const R0_LEN: usize = 8 * PAGE;
 const R1_PAGE: usize = 10;
 const R1_LEN: usize = 4 * PAGE;
 const TOTAL_PAGES: usize = 15;
-/// Frontend virtual address of guest-physical 0 (ring addresses given in
-/// AddrSpace::FrontendVirtual are this plus the gpa).
-pub const UADDR_BASE: u64 = 0x7f00_0000_0000;
-
 /// The fenced guest memory and its memory tables.
 pub struct Guest {
     map: Arc<Mapping>,
@@ -51,17 +47,16 @@ unsafe impl Send for Guest {}
 
 impl Guest {
     fn build() -> Guest {
-        let map = Mapping::anonymous(TOTAL_PAGES * PAGE).expect("anonymous mapping");
+        let map = Arc::new(Mapping::anonymous(TOTAL_PAGES * PAGE).expect("anonymous mapping"));
+        let base = map.host_range().0;
         for page in [0, 9, 14] {
-            // SAFETY: a page inside our own mapping; nothing maps it again.
-            let r =
-                unsafe { libc::mprotect(map.as_ptr().add(page * PAGE) as *mut libc::c_void, PAGE, libc::PROT_NONE) };
+            // SAFETY: a page inside our own mapping (an address, never
+            // dereferenced here); a guard that faults any access.
+            let r = unsafe { libc::mprotect((base + page * PAGE) as *mut libc::c_void, PAGE, libc::PROT_NONE) };
             assert_eq!(r, 0, "mprotect guard page");
         }
-        let r0 =
-            |gpa: u64| Region::new(gpa, R0_LEN as u64, UADDR_BASE + gpa, map.clone(), (R0_PAGE * PAGE) as u64).unwrap();
-        let r1 =
-            |gpa: u64| Region::new(gpa, R1_LEN as u64, UADDR_BASE + gpa, map.clone(), (R1_PAGE * PAGE) as u64).unwrap();
+        let r0 = |gpa: u64| Region::new(gpa, R0_LEN as u64, map.clone(), (R0_PAGE * PAGE) as u64).unwrap();
+        let r1 = |gpa: u64| Region::new(gpa, R1_LEN as u64, map.clone(), (R1_PAGE * PAGE) as u64).unwrap();
         let tables = vec![vec![r0(0)], vec![r0(0), r1(0x8000)], vec![r0(0), r1(0x10000)], vec![r1(0), r0(0x4000)]]
             .into_iter()
             .map(|regions| Arc::new(GuestMemory::from_regions(regions).expect("memory table")))
@@ -82,33 +77,29 @@ impl Guest {
 
     /// Zeroes both regions.
     pub fn clear(&self) {
-        // SAFETY: R0 and R1 lie inside the mapping and are read-write.
-        unsafe {
-            std::ptr::write_bytes(self.map.as_ptr().add(R0_PAGE * PAGE), 0, R0_LEN);
-            std::ptr::write_bytes(self.map.as_ptr().add(R1_PAGE * PAGE), 0, R1_LEN);
-        }
+        self.map.fill(R0_PAGE * PAGE, R0_LEN, 0);
+        self.map.fill(R1_PAGE * PAGE, R1_LEN, 0);
     }
 
     /// Writes `bytes` at guest-physical `gpa` of table `mem`, as far as
     /// they fall inside it (the driver's view of memory).
     pub fn write(mem: &GuestMemory, gpa: u64, bytes: &[u8]) {
-        let mut off = 0usize;
-        mem.for_each_piece(gpa, bytes.len() as u64, &mut 0, |p, n| {
-            let n = n as usize;
-            // SAFETY: for_each_piece hands out host pieces inside a region,
-            // and their lengths add up to at most bytes.len().
-            unsafe { std::ptr::copy_nonoverlapping(bytes[off..].as_ptr(), p, n) };
-            off += n;
-        });
+        if !mem.write(gpa, bytes) {
+            for (i, b) in bytes.iter().enumerate() {
+                if !mem.write(gpa.wrapping_add(i as u64), &[*b]) {
+                    break;
+                }
+            }
+        }
     }
 
     /// Reads `N` bytes at `gpa` (zeroes where unmapped).
     pub fn read<const N: usize>(mem: &GuestMemory, gpa: u64) -> [u8; N] {
         let mut out = [0u8; N];
         for (i, o) in out.iter_mut().enumerate() {
-            if let Some(p) = mem.translate(gpa.wrapping_add(i as u64), 1, &mut 0) {
-                // SAFETY: as in write.
-                *o = unsafe { std::ptr::read_volatile(p) };
+            let mut b = [0u8];
+            if mem.read(gpa.wrapping_add(i as u64), &mut b) {
+                *o = b[0];
             }
         }
         out
@@ -128,21 +119,16 @@ impl Guest {
 }
 
 /// Asserts that `seg` is non-empty and lies wholly inside one region of
-/// `mem` (host addresses), and touches its first and last byte.
+/// `mem` (host addresses).
 pub fn check_seg(mem: &GuestMemory, seg: &Seg) {
-    assert!(seg.len > 0, "empty segment handed out");
-    let start = seg.addr as usize;
-    let end = start.checked_add(seg.len as usize).expect("segment end overflows");
+    assert!(!seg.is_empty(), "empty segment handed out");
+    let start = seg.host_addr();
+    let end = start.checked_add(seg.len() as usize).expect("segment end overflows");
     let inside = mem.regions().iter().any(|r| {
-        let h = r.host() as usize;
+        let h = mem.host_addr(r.gpa).expect("a region's start is in the table");
         start >= h && end <= h + r.size as usize
     });
-    assert!(inside, "segment {:#x}+{:#x} outside every region of the memory table", start, seg.len);
-    // SAFETY: checked just above to be inside a mapped region.
-    unsafe {
-        std::ptr::read_volatile(seg.addr);
-        std::ptr::read_volatile(seg.addr.add(seg.len as usize - 1));
-    }
+    assert!(inside, "segment {:#x}+{:#x} outside every region of the memory table", start, seg.len());
 }
 
 /// Checks every chain of a popped batch: segments inside memory, lengths
@@ -158,15 +144,20 @@ pub fn check_batch(mem: &GuestMemory, batch: &Batch, max: usize, access: virtq::
 pub fn check_chain(mem: &GuestMemory, batch: &Batch, c: &Chain, access: virtq::Access) {
     let (r, w) = (batch.readable(c), batch.writable(c));
     let mut rl = 0u64;
-    for s in r {
+    for s in r.segs() {
         check_seg(mem, s);
-        rl += s.len as u64;
+        rl += s.len() as u64;
     }
     let mut wl = 0u64;
-    for s in w {
+    for s in w.segs() {
         check_seg(mem, s);
-        wl += s.len as u64;
+        wl += s.len() as u64;
     }
+    // Every byte read through the fence (faults on a guard page, and
+    // AddressSanitizer sees the accesses).
+    let mut all = vec![0u8; (rl + wl) as usize];
+    assert_eq!(r.read(0, &mut all[..rl as usize]) as u64, rl);
+    assert_eq!(w.read(0, &mut all[rl as usize..]) as u64, wl);
     assert_eq!(rl, c.read_len as u64, "read_len differs from its segments");
     assert_eq!(wl, c.write_len as u64, "write_len differs from its segments");
     match access {

@@ -11,9 +11,11 @@
 //!
 //! The region is shared with the frontend (and any process it hands the
 //! fd to), so everything read from it is checked like guest input: heads
-//! outside the ring are ignored, list walks are bounded.
+//! outside the ring are ignored, list walks are bounded. It is reached
+//! through virtq's `Mapping` (bounded volatile loads and stores).
 
 use std::sync::Arc;
+use virtq::Mapping;
 
 const HDR: usize = 16;
 const ENTRY: usize = 16;
@@ -28,50 +30,9 @@ pub fn region_size(queue_size: u16) -> usize {
     (HDR + ENTRY * queue_size as usize).div_ceil(64) * 64
 }
 
-/// A mapping of the shared inflight memory, unmapped when the last user
-/// goes.
-pub struct InflightMap {
-    base: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain shared memory; every access goes through
-// volatile reads and writes at checked offsets, and at most one worker
-// writes a given queue's region.
-unsafe impl Send for InflightMap {}
-unsafe impl Sync for InflightMap {}
-
-impl InflightMap {
-    /// Takes ownership of a mapping of `len` bytes at `base`.
-    ///
-    /// # Safety
-    /// `base` must be a live MAP_SHARED mapping of `len` bytes that nothing
-    /// else unmaps.
-    pub unsafe fn from_raw(base: *mut u8, len: usize) -> InflightMap {
-        InflightMap { base, len }
-    }
-
-    /// Bytes mapped.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether nothing is mapped.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl Drop for InflightMap {
-    fn drop(&mut self) {
-        // SAFETY: we own the mapping (from_raw's contract).
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-    }
-}
-
 /// One queue's region.
 pub struct InflightLog {
-    map: Arc<InflightMap>,
+    map: Arc<Mapping>,
     off: usize,
     desc_num: u16,
     counter: u64,
@@ -80,7 +41,7 @@ pub struct InflightLog {
 impl InflightLog {
     /// The region of queue `index` of rings of `queue_size` in `map`, or
     /// None if it does not fit.
-    pub fn new(map: Arc<InflightMap>, index: usize, queue_size: u16) -> Option<InflightLog> {
+    pub fn new(map: Arc<Mapping>, index: usize, queue_size: u16) -> Option<InflightLog> {
         let off = index.checked_mul(region_size(queue_size))?;
         if off.checked_add(region_size(queue_size))? > map.len() {
             return None;
@@ -88,21 +49,12 @@ impl InflightLog {
         Some(InflightLog { map, off, desc_num: queue_size, counter: 0 })
     }
 
-    fn at(&self, off: usize) -> *mut u8 {
-        // SAFETY: callers pass offsets inside this queue's region, which
-        // `new` checked lies inside the mapping.
-        unsafe { self.map.base.add(self.off + off) }
-    }
-
     fn read_u16(&self, off: usize) -> u16 {
-        // SAFETY: inside the region (see `at`); u16 reads need no alignment
-        // with read_unaligned.
-        u16::from_le_bytes(unsafe { std::ptr::read_volatile(self.at(off) as *const [u8; 2]) })
+        u16::from_le_bytes(self.map.load(self.off + off))
     }
 
     fn write_u16(&self, off: usize, v: u16) {
-        // SAFETY: as read_u16.
-        unsafe { std::ptr::write_volatile(self.at(off) as *mut [u8; 2], v.to_le_bytes()) }
+        self.map.store(self.off + off, v.to_le_bytes())
     }
 
     fn entry(&self, head: u16) -> usize {
@@ -110,18 +62,15 @@ impl InflightLog {
     }
 
     fn inflight(&self, head: u16) -> bool {
-        // SAFETY: head < desc_num (callers check): inside the region.
-        unsafe { std::ptr::read_volatile(self.at(self.entry(head))) == 1 }
+        self.map.load::<1>(self.off + self.entry(head))[0] == 1
     }
 
     fn set_inflight(&self, head: u16, v: bool) {
-        // SAFETY: as inflight.
-        unsafe { std::ptr::write_volatile(self.at(self.entry(head)), v as u8) }
+        self.map.store(self.off + self.entry(head), [v as u8])
     }
 
     fn counter_of(&self, head: u16) -> u64 {
-        // SAFETY: inside the region; read as bytes (no alignment needed).
-        u64::from_le_bytes(unsafe { std::ptr::read_volatile(self.at(self.entry(head) + 8) as *const [u8; 8]) })
+        u64::from_le_bytes(self.map.load(self.off + self.entry(head) + 8))
     }
 
     /// A request with head `head` was taken from the avail ring.
@@ -132,8 +81,7 @@ impl InflightLog {
         }
         // The counter comes back from shared memory on recovery: wrap, never overflow.
         self.counter = self.counter.wrapping_add(1);
-        // SAFETY: inside the region.
-        unsafe { std::ptr::write_volatile(self.at(self.entry(head) + 8) as *mut [u8; 8], self.counter.to_le_bytes()) };
+        self.map.store(self.off + self.entry(head) + 8, self.counter.to_le_bytes());
         self.set_inflight(head, true);
     }
 
@@ -165,8 +113,7 @@ impl InflightLog {
     /// in flight, oldest first. A fresh (zeroed) region is initialized.
     pub fn recover(&mut self, used_idx: u16) -> Vec<u16> {
         if self.read_u16(OFF_VERSION) == 0 {
-            // SAFETY: the region's first 16 bytes are its header.
-            unsafe { std::ptr::write_bytes(self.at(0), 0, region_size(self.desc_num)) };
+            self.map.fill(self.off, region_size(self.desc_num), 0);
             self.write_u16(OFF_VERSION, 1);
             self.write_u16(OFF_DESC_NUM, self.desc_num);
             self.write_u16(OFF_USED_IDX, used_idx);
@@ -200,21 +147,8 @@ impl InflightLog {
 mod tests {
     use super::*;
 
-    fn map(len: usize) -> Arc<InflightMap> {
-        // SAFETY: an anonymous shared mapping we own.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        // SAFETY: just mapped, len bytes.
-        Arc::new(unsafe { InflightMap::from_raw(p as *mut u8, len) })
+    fn map(len: usize) -> Arc<Mapping> {
+        Arc::new(Mapping::anonymous(len).unwrap())
     }
 
     #[test]
@@ -255,11 +189,8 @@ mod tests {
         log.recover(0);
         // A frontend scribbles: last_batch_head and links past the ring, a
         // used_idx far behind.
-        // SAFETY: inside the mapping.
-        unsafe {
-            std::ptr::write_bytes(m.base.add(HDR), 1, 8 * ENTRY);
-            std::ptr::write_volatile(m.base.add(OFF_LAST_BATCH) as *mut [u8; 2], 0xffffu16.to_le_bytes());
-        }
+        m.fill(HDR, 8 * ENTRY, 1);
+        m.store(OFF_LAST_BATCH, 0xffffu16.to_le_bytes());
         let heads = log.recover(1000);
         assert_eq!(heads.len(), 8, "every entry marked, none outside the ring");
         assert!(heads.iter().all(|&h| h < 8));

@@ -10,14 +10,19 @@
 //! status byte last. Everything in it comes from the guest and is checked:
 //! a chain without a writable byte cannot be answered and is returned with
 //! length 0 and counted; every other bad request gets IOERR or UNSUPP.
+//!
+//! Guest memory is reached only through virtq's fence: the chain's views to
+//! read the header and write GET_ID, and `IoBufs` for the data lent to the
+//! backend and the status byte stored at completion. No `unsafe` here.
+#![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod inflight;
-pub use inflight::{InflightLog, InflightMap};
+pub use inflight::InflightLog;
 
-use vhostd_block_backends::{BlockBackend, Buf, Completion, DiskInfo, Op, Request};
-use virtq::{copy_from_segs, copy_to_segs, Access, Batch, Queue, Seg};
+use vhostd_block_backends::{BlockBackend, Completion, DiskInfo, Op, Request};
+use virtq::{Access, Batch, GuestBufs, IoBufs, Queue};
 
 /// Request types.
 pub mod types {
@@ -197,15 +202,15 @@ enum Stage {
 struct Slot {
     stage: Stage,
     head: u16,
-    /// Host address of the status byte (None: the chain has none).
-    status_at: Option<*mut u8>,
     status: u8,
     /// Bytes written into the chain (IN data, GET_ID), plus the status byte.
     used_len: u32,
     kind: u32,
     /// Data bytes of a read or write.
     bytes: u64,
-    bufs: Vec<Buf>,
+    /// The data lent to the backend and the status byte (none: the chain
+    /// has no writable byte to answer in).
+    io: IoBufs,
 }
 
 /// One request queue's in-flight state and its backend.
@@ -226,11 +231,6 @@ pub struct BlkQueue {
     pub stats: BlkStats,
 }
 
-// SAFETY: the raw pointers in the slots point into guest memory that the
-// queue's GuestMemory keeps mapped; a BlkQueue moves between threads only
-// with its queue, and the session drains it before the memory changes.
-unsafe impl Send for BlkQueue {}
-
 impl BlkQueue {
     /// In-flight state for `backend`, with at most `depth` requests.
     pub fn new(backend: Box<dyn BlockBackend>, depth: usize) -> BlkQueue {
@@ -239,12 +239,11 @@ impl BlkQueue {
             .map(|_| Slot {
                 stage: Stage::Free,
                 head: 0,
-                status_at: None,
                 status: 0,
                 used_len: 0,
                 kind: 0,
                 bytes: 0,
-                bufs: Vec::with_capacity(SEG_MAX as usize),
+                io: IoBufs::with_capacity(SEG_MAX as usize),
             })
             .collect();
         BlkQueue {
@@ -294,9 +293,7 @@ impl BlkQueue {
                 work += rejected;
             }
             for chain in &batch.chains {
-                let readable = batch.readable(chain);
-                let writable = batch.writable(chain);
-                self.start(chain.head, chain.read_len, readable, writable, dev);
+                self.start(chain.head, chain.read_len, batch.readable(chain), batch.writable(chain), dev);
             }
             if n > 0 {
                 self.backend.submit();
@@ -406,9 +403,8 @@ impl BlkQueue {
                 }
                 Stage::RunningThenFlush => {
                     // The write is in; now make it durable.
-                    let req = Request { tag: c.tag, op: Op::Flush, offset: 0, len: 0, bufs: &[] };
-                    // SAFETY: a flush carries no buffers.
-                    if unsafe { self.backend.queue(&req) }.is_ok() {
+                    let req = Request { tag: c.tag, op: Op::Flush, offset: 0, len: 0, bufs: &IoBufs::new() };
+                    if self.backend.queue(&req).is_ok() {
                         slot.stage = Stage::Running;
                         resubmit = true;
                     } else {
@@ -439,12 +435,12 @@ impl BlkQueue {
         for k in 0..n {
             let i = self.done[k] as usize;
             let slot = &mut self.slots[i];
-            if let Some(p) = slot.status_at {
-                // SAFETY: p is the last writable byte of the chain, inside a
-                // segment the queue translated into mapped guest memory.
-                unsafe { std::ptr::write_volatile(p, slot.status) };
+            if slot.status == status::OK && slot.kind == types::IN {
+                // The kernel wrote the data: the dirty log must hear of it.
+                slot.io.data_written();
             }
-            let used = if slot.status_at.is_some() {
+            let answered = slot.io.write_status(slot.status);
+            let used = if answered {
                 if slot.status == status::OK {
                     slot.used_len
                 } else {
@@ -466,7 +462,7 @@ impl BlkQueue {
                 self.batch_heads.push(slot.head);
             }
             slot.stage = Stage::Free;
-            slot.bufs.clear();
+            slot.io.clear();
             self.free.push(i as u32);
         }
         self.done.clear();
@@ -481,7 +477,7 @@ impl BlkQueue {
     }
 
     /// Parses one chain and starts it (or finishes it at once).
-    fn start(&mut self, head: u16, read_len: u32, readable: &[Seg], writable: &[Seg], dev: &BlkDevice) {
+    fn start(&mut self, head: u16, read_len: u32, readable: GuestBufs<'_>, writable: GuestBufs<'_>, dev: &BlkDevice) {
         // `process` pops no more chains than there are free slots.
         let Some(seq) = self.free.pop() else { return };
         if let Some(log) = &mut self.inflight {
@@ -492,21 +488,18 @@ impl BlkQueue {
         let seq = seq as u64;
         let slot = &mut self.slots[seq as usize];
         slot.head = head;
-        slot.bufs.clear();
+        slot.io.clear();
         slot.used_len = 1;
         slot.bytes = 0;
         slot.stage = Stage::Done;
         // The status byte: the last byte of the last writable segment.
-        let Some(last) = writable.last() else {
-            slot.status_at = None;
+        if !writable.lend_last_byte(&mut slot.io) {
             slot.status = status::IOERR;
             self.stats.no_status += 1;
             return;
-        };
-        // SAFETY: segments are never empty, so len - 1 is inside it.
-        slot.status_at = Some(unsafe { last.addr.add(last.len as usize - 1) });
+        }
         let mut hdr = [0u8; HEADER_LEN];
-        if (read_len as usize) < HEADER_LEN || copy_from_segs(readable, 0, &mut hdr) < HEADER_LEN {
+        if (read_len as usize) < HEADER_LEN || readable.read(0, &mut hdr) < HEADER_LEN {
             slot.status = status::IOERR;
             self.stats.ioerr += 1;
             return;
@@ -537,16 +530,18 @@ impl BlkQueue {
                 }
                 // OUT data: readable bytes after the header; IN data:
                 // writable bytes before the status byte.
+                // Pieces and their sizes are bounded as advertised
+                // (seg_max, size_max).
+                let (pieces, piece) = (SEG_MAX as usize, SIZE_MAX as usize);
                 let ok = if out {
-                    collect(readable, HEADER_LEN, usize::MAX, &mut slot.bufs)
+                    readable.lend(HEADER_LEN, usize::MAX, pieces, piece, &mut slot.io)
                 } else {
-                    let wl: usize = writable.iter().map(|s| s.len as usize).sum();
-                    collect(writable, 0, wl - 1, &mut slot.bufs)
+                    writable.lend(0, writable.bytes() - 1, pieces, piece, &mut slot.io)
                 };
                 if !ok {
                     return fail(slot, status::IOERR, &mut self.stats);
                 }
-                let bytes: u64 = slot.bufs.iter().map(|b| b.len as u64).sum();
+                let bytes = slot.io.data_len();
                 if !bytes.is_multiple_of(SECTOR) {
                     self.stats.misaligned += 1;
                     return fail(slot, status::IOERR, &mut self.stats);
@@ -572,9 +567,8 @@ impl BlkQueue {
             }
             types::GET_ID => {
                 self.stats.get_ids += 1;
-                let wl: usize = writable.iter().map(|s| s.len as usize).sum();
-                let room = (wl - 1).min(ID_LEN);
-                let n = copy_to_segs(writable, 0, &dev.id[..room]);
+                let room = (writable.bytes() - 1).min(ID_LEN);
+                let n = writable.write(0, &dev.id[..room]);
                 slot.used_len = n as u32 + 1;
                 slot.status = status::OK;
                 return;
@@ -594,7 +588,7 @@ impl BlkQueue {
                 }
                 // Exactly one range (max_discard_seg / max_write_zeroes_seg = 1).
                 let mut r = [0u8; 16];
-                if read_len as usize != HEADER_LEN + 16 || copy_from_segs(readable, HEADER_LEN, &mut r) != 16 {
+                if read_len as usize != HEADER_LEN + 16 || readable.read(HEADER_LEN, &mut r) != 16 {
                     return fail(slot, status::UNSUPP, &mut self.stats);
                 }
                 let start = u64::from_le_bytes(r[0..8].try_into().unwrap_or([0; 8]));
@@ -624,12 +618,8 @@ impl BlkQueue {
             _ => return fail(slot, status::UNSUPP, &mut self.stats),
         };
         let (op, offset, bytes, write_through) = op;
-        let req = Request { tag: seq, op, offset, len: bytes, bufs: &slot.bufs };
-        // SAFETY: the bufs are segments of a chain the guest handed us; the
-        // queue's GuestMemory keeps them mapped, and the chain stays ours
-        // until complete_in_order returns it, which happens only after the
-        // backend reported this request done (drain waits for all).
-        match unsafe { self.backend.queue(&req) } {
+        let req = Request { tag: seq, op, offset, len: bytes, bufs: &slot.io };
+        match self.backend.queue(&req) {
             Ok(()) => {
                 slot.stage = if write_through { Stage::RunningThenFlush } else { Stage::Running };
                 self.done.pop();
@@ -646,31 +636,6 @@ impl BlkQueue {
 fn in_range(sector: u64, bytes: u64, capacity: u64) -> Option<u64> {
     let offset = sector.checked_mul(SECTOR)?;
     (offset.checked_add(bytes)? <= capacity).then_some(offset)
-}
-
-/// The bytes of `segs` from `skip` on, `limit` at most, as backend buffers.
-/// False if there are more than SEG_MAX pieces or a piece is above SIZE_MAX
-/// (both advertised to the driver).
-fn collect(segs: &[Seg], mut skip: usize, mut limit: usize, out: &mut Vec<Buf>) -> bool {
-    for s in segs {
-        if limit == 0 {
-            break;
-        }
-        let len = s.len as usize;
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        let take = (len - skip).min(limit);
-        if out.len() == SEG_MAX as usize || take > SIZE_MAX as usize {
-            return false;
-        }
-        // SAFETY: skip < len, so the address is inside the segment.
-        out.push(Buf { addr: unsafe { s.addr.add(skip) }, len: take });
-        limit -= take;
-        skip = 0;
-    }
-    true
 }
 
 #[cfg(test)]

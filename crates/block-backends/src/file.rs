@@ -10,7 +10,8 @@
 //!   slot; the SQE's `user_data` is the slot index, and the slot holds the
 //!   device's tag, what is left to do and the iovecs the kernel reads. The
 //!   slot is freed when its completion is reaped, so the iovecs outlive the
-//!   request. Nothing is allocated after construction.
+//!   request; so does the slot's hold on the guest memory they point into.
+//!   Nothing is allocated after construction.
 //! - **One submit per batch.** `queue` only fills SQEs; `submit` hands them
 //!   all to the kernel with one `io_uring_enter`. The ring has at least
 //!   `depth` entries and every in-flight slot has at most one SQE, so the
@@ -26,7 +27,7 @@
 //! - Requests run concurrently and complete in any order: a flush covers the
 //!   writes completed before it was queued, not those still in flight.
 
-use crate::{BlockBackend, BlockStats, Completion, DiskInfo, Op, Request};
+use crate::{BlockBackend, BlockStats, Completion, DiskInfo, MemoryHold, Op, Request};
 use io_uring::{opcode, squeue, types, IoUring};
 use std::fs::File;
 use std::io;
@@ -91,6 +92,9 @@ struct Slab {
     iovecs: Vec<libc::iovec>,
     /// Free slot indices (a stack).
     free: Vec<u32>,
+    /// Per slot: the guest memory its iovecs point into, held until the
+    /// slot completes so it stays mapped while the kernel works on it.
+    holds: Vec<Option<MemoryHold>>,
 }
 
 impl Slab {
@@ -101,6 +105,7 @@ impl Slab {
             iovecs: vec![empty; depth * MAX_SEGS],
             // Reversed so slot 0 is taken first (easier to read in a debugger).
             free: (0..depth as u32).rev().collect(),
+            holds: vec![None; depth],
         }
     }
 
@@ -188,8 +193,8 @@ pub struct FileBackend {
 
 // SAFETY: the only fields that are not Send are the iovecs' raw pointers.
 // They point at guest buffers the backend never dereferences (only the
-// kernel does, under `queue`'s contract), and the backend is moved between
-// threads whole, with its ring and slots.
+// kernel does, while the slot holds their memory), and the backend is moved
+// between threads whole, with its ring, slots and holds.
 unsafe impl Send for FileBackend {}
 
 impl FileBackend {
@@ -248,6 +253,7 @@ impl FileBackend {
         let slot = &mut self.slab.slots[idx];
         out.push(Completion { tag: slot.tag, result });
         *slot = FREE_SLOT;
+        self.slab.holds[idx] = None;
         self.slab.free.push(idx as u32);
         self.stats.completed += 1;
         if result < 0 {
@@ -292,7 +298,7 @@ impl BlockBackend for FileBackend {
         self.slab.free.len()
     }
 
-    unsafe fn queue(&mut self, req: &Request<'_>) -> Result<(), i64> {
+    fn queue(&mut self, req: &Request<'_>) -> Result<(), i64> {
         let Some(&idx) = self.slab.free.last() else {
             return Err(-(libc::EBUSY as i64));
         };
@@ -308,24 +314,23 @@ impl BlockBackend for FileBackend {
         let mut slot = Slot { tag: req.tag, offset: req.offset, left: req.len, ..FREE_SLOT };
         let entry = match req.op {
             Op::Read | Op::Write => {
-                if req.bufs.len() > MAX_SEGS {
+                if req.bufs.pieces() > MAX_SEGS {
                     return Err(-(libc::EINVAL as i64));
                 }
-                let mut total: u64 = 0;
-                for b in req.bufs {
-                    total = total.checked_add(b.len as u64).ok_or(-(libc::EINVAL as i64))?;
-                }
+                // Each piece is at most 4 GiB and there are at most MAX_SEGS.
+                let total = req.bufs.data_len();
                 // The kernel refuses iovecs summing past isize::MAX anyway.
                 if total > i64::MAX as u64 {
                     return Err(-(libc::EINVAL as i64));
                 }
                 let base = idx * MAX_SEGS;
-                for (iov, b) in self.slab.iovecs[base..].iter_mut().zip(req.bufs) {
-                    *iov = libc::iovec { iov_base: b.addr as *mut libc::c_void, iov_len: b.len };
+                for (iov, (addr, len)) in self.slab.iovecs[base..].iter_mut().zip(req.bufs.iovecs()) {
+                    *iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
                 }
                 slot.left = total;
                 slot.total = total;
-                slot.iov_end = req.bufs.len();
+                slot.iov_end = req.bufs.pieces();
+                self.slab.holds[idx] = req.bufs.memory_hold();
                 if total == 0 {
                     // Nothing to move; a 0-byte result would read as -EIO.
                     slot.stage = Stage::Simple;
@@ -360,12 +365,14 @@ impl BlockBackend for FileBackend {
             }
         };
         // SAFETY: the entry points at this slot's iovecs (kept until the
-        // slot is freed at its completion) and at the caller's buffers
-        // (valid until the completion is reaped, by this method's contract).
+        // slot is freed at its completion) and at the guest buffers they
+        // describe, which the fence made from mapped memory and which stay
+        // mapped while the slot holds that memory (until it completes).
         if unsafe { self.ring.submission().push(&entry) }.is_err() {
             // Cannot happen (the ring holds `depth` entries), but if it did
             // the slot stays free and nothing is queued.
             self.slab.slots[idx] = FREE_SLOT;
+            self.slab.holds[idx] = None;
             return Err(-(libc::EBUSY as i64));
         }
         self.slab.free.pop();
@@ -393,8 +400,8 @@ impl BlockBackend for FileBackend {
                 Some(result) => self.finish(idx, result, out),
                 None => {
                     let entry = self.slab.entry(idx, self.fd());
-                    // SAFETY: as in `queue`: the slot's iovecs and the
-                    // caller's buffers stay valid until this slot completes.
+                    // SAFETY: as in `queue`: the slot's iovecs and the guest
+                    // memory it holds stay valid until this slot completes.
                     if unsafe { self.ring.submission().push(&entry) }.is_ok() {
                         resubmitted = true;
                     } else {

@@ -1,8 +1,11 @@
 //! Host-side block backends: where a virtio-blk device's requests go. A
 //! backend takes requests tagged by the device, runs them asynchronously
 //! and hands back completions by tag, in any order. Data moves straight
-//! between the guest's buffers (host addresses the device translated) and
-//! the backing store. Backends know nothing of virtqueues or virtio.
+//! between the guest's buffers and the backing store: the device lends
+//! them as `virtq::IoBufs`, the guest-memory fence's type for buffers the
+//! kernel works on, and a backend keeps the `MemoryHold` that comes with
+//! them until the request completes, so they stay mapped. Backends know
+//! nothing of virtqueues or virtio.
 
 mod file;
 mod null;
@@ -10,18 +13,7 @@ mod null;
 pub use file::{FileBackend, MAX_SEGS};
 pub use null::NullBackend;
 
-/// A piece of guest memory at a host address.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Buf {
-    /// Host address.
-    pub addr: *mut u8,
-    /// Bytes.
-    pub len: usize,
-}
-
-// SAFETY: a Buf is an address and a length; whoever dereferences it (the
-// kernel, through io_uring) is bound by `BlockBackend::queue`'s contract.
-unsafe impl Send for Buf {}
+pub use virtq::{IoBufs, MemoryHold};
 
 /// What a request does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,7 +37,7 @@ pub enum Op {
 
 /// One request. Offsets and lengths are in bytes; the device has checked
 /// them against the capacity and the sector size.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct Request<'a> {
     /// The device's tag, returned in the completion.
     pub tag: u64,
@@ -55,8 +47,8 @@ pub struct Request<'a> {
     pub offset: u64,
     /// Bytes for Discard and WriteZeroes (Read/Write: the sum of `bufs`).
     pub len: u64,
-    /// Guest buffers for Read and Write, in order.
-    pub bufs: &'a [Buf],
+    /// Guest buffers for Read and Write, in order (empty for the others).
+    pub bufs: &'a IoBufs,
 }
 
 /// A finished request.
@@ -103,13 +95,9 @@ pub trait BlockBackend: Send {
     fn room(&self) -> usize;
     /// Queues a request; it starts at the next `submit`. Fails (negative
     /// errno, nothing queued) when there is no room or the request is not
-    /// supported by this backend.
-    ///
-    /// # Safety
-    /// Every `Buf` in `req.bufs` must stay valid for the access the op needs
-    /// (written by Read, read by Write) until the request's completion has
-    /// been returned by `reap`.
-    unsafe fn queue(&mut self, req: &Request<'_>) -> Result<(), i64>;
+    /// supported by this backend. A backend that hands the buffers to the
+    /// kernel keeps `req.bufs.memory_hold()` until the request completes.
+    fn queue(&mut self, req: &Request<'_>) -> Result<(), i64>;
     /// Starts everything queued since the last call (one system call).
     fn submit(&mut self);
     /// Appends finished requests to `out` without blocking.

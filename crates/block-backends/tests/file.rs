@@ -3,7 +3,9 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
-use vhostd_block_backends::{open, BlockBackend, BlockSpec, Buf, Completion, DiskInfo, Op, Request, MAX_SEGS};
+use std::sync::Arc;
+use vhostd_block_backends::{open, BlockBackend, BlockSpec, Completion, DiskInfo, IoBufs, Op, Request, MAX_SEGS};
+use virtq::{GuestMemory, Mapping, Region};
 
 const EROFS: i64 = -(libc::EROFS as i64);
 const EBUSY: i64 = -(libc::EBUSY as i64);
@@ -70,13 +72,60 @@ fn one(path: &Path, depth: usize) -> Box<dyn BlockBackend> {
     open_file(path, false, false, 1, depth).unwrap().1.pop().unwrap()
 }
 
-fn buf(v: &mut [u8]) -> Buf {
-    Buf { addr: v.as_mut_ptr(), len: v.len() }
+/// Guest memory for the requests' buffers: one anonymous mapping at
+/// guest-physical 0, handed out page-aligned (as O_DIRECT needs).
+struct Guest {
+    mem: Arc<GuestMemory>,
+    next: u64,
 }
 
-fn req(tag: u64, op: Op, offset: u64, len: u64, bufs: &[Buf]) -> Request<'_> {
+const GUEST: u64 = 8 << 20;
+
+impl Guest {
+    fn new() -> Guest {
+        let map = Arc::new(Mapping::anonymous(GUEST as usize).unwrap());
+        let mem = GuestMemory::from_regions(vec![Region::new(0, GUEST, map, 0).unwrap()]).unwrap();
+        Guest { mem: Arc::new(mem), next: 0 }
+    }
+
+    /// `len` bytes of fresh memory filled with `byte`; their address.
+    fn alloc(&mut self, len: usize, byte: u8) -> u64 {
+        let gpa = self.next;
+        self.next = (gpa + len as u64).next_multiple_of(4096);
+        assert!(self.next <= GUEST, "test guest memory exhausted");
+        assert!(self.mem.write(gpa, &vec![byte; len]));
+        gpa
+    }
+
+    /// Fresh memory holding `data`; its address.
+    fn with(&mut self, data: &[u8]) -> u64 {
+        let gpa = self.alloc(data.len(), 0);
+        assert!(self.mem.write(gpa, data));
+        gpa
+    }
+
+    fn get(&self, gpa: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        assert!(self.mem.read(gpa, &mut v));
+        v
+    }
+
+    /// The pieces (address, length) lent as a request's data.
+    fn io(&self, pieces: &[(u64, usize)]) -> IoBufs {
+        let mut io = IoBufs::with_capacity(pieces.len());
+        for &(gpa, len) in pieces {
+            assert!(self.mem.lend(gpa, len as u64, &mut io));
+        }
+        io
+    }
+}
+
+fn req(tag: u64, op: Op, offset: u64, len: u64, bufs: &IoBufs) -> Request<'_> {
     Request { tag, op, offset, len, bufs }
 }
+
+/// No buffers (flush, discard, write-zeroes).
+const NONE: &IoBufs = &IoBufs::new();
 
 /// Waits (bounded) until `n` completions have been reaped.
 fn collect(b: &mut dyn BlockBackend, n: usize) -> Vec<Completion> {
@@ -95,9 +144,7 @@ fn collect(b: &mut dyn BlockBackend, n: usize) -> Vec<Completion> {
 
 /// Runs one request to completion and returns its result.
 fn run(b: &mut dyn BlockBackend, r: &Request<'_>) -> i64 {
-    // SAFETY: the buffers live in the caller until this returns, after the
-    // completion was reaped.
-    unsafe { b.queue(r) }.unwrap();
+    b.queue(r).unwrap();
     b.submit();
     let c = collect(b, 1);
     assert_eq!(c[0].tag, r.tag);
@@ -105,10 +152,10 @@ fn run(b: &mut dyn BlockBackend, r: &Request<'_>) -> i64 {
 }
 
 fn read_all(b: &mut dyn BlockBackend, offset: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0xeeu8; len];
-    let bufs = [buf(&mut v)];
-    assert_eq!(run(b, &req(99, Op::Read, offset, len as u64, &bufs)), len as i64);
-    v
+    let mut g = Guest::new();
+    let at = g.alloc(len, 0xee);
+    assert_eq!(run(b, &req(99, Op::Read, offset, len as u64, &g.io(&[(at, len)]))), len as i64);
+    g.get(at, len)
 }
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -133,20 +180,19 @@ fn writev_then_read_with_other_boundaries() {
     );
     assert_eq!(bs.len(), 2);
     let data = pattern(3 * 4096 + 1024, 1);
-    // Write in odd pieces: 100, 4000, 1, the rest.
-    let mut src = data.clone();
-    let (a, rest) = src.split_at_mut(100);
-    let (b, rest) = rest.split_at_mut(4000);
-    let (c, d) = rest.split_at_mut(1);
-    let bufs = [buf(a), buf(b), buf(c), buf(d)];
-    assert_eq!(run(bs[0].as_mut(), &req(1, Op::Write, 8192, data.len() as u64, &bufs)), data.len() as i64);
+    let mut g = Guest::new();
+    // Write in odd pieces, each in memory of its own: 100, 4000, 1, the rest.
+    let cuts = [0, 100, 4100, 4101, data.len()];
+    let pieces: Vec<(u64, usize)> = cuts.windows(2).map(|w| (g.with(&data[w[0]..w[1]]), w[1] - w[0])).collect();
+    let io = g.io(&pieces);
+    assert_eq!(run(bs[0].as_mut(), &req(1, Op::Write, 8192, data.len() as u64, &io)), data.len() as i64);
     // Read back through the other queue (same file, its own ring) in
     // different pieces: one sector, 7 bytes, the rest.
-    let mut dst = vec![0u8; data.len()];
-    let (a, rest) = dst.split_at_mut(512);
-    let (b, c) = rest.split_at_mut(7);
-    let bufs = [buf(a), buf(b), buf(c)];
-    assert_eq!(run(bs[1].as_mut(), &req(2, Op::Read, 8192, data.len() as u64, &bufs)), data.len() as i64);
+    let cuts = [0, 512, 519, data.len()];
+    let pieces: Vec<(u64, usize)> = cuts.windows(2).map(|w| (g.alloc(w[1] - w[0], 0), w[1] - w[0])).collect();
+    let io = g.io(&pieces);
+    assert_eq!(run(bs[1].as_mut(), &req(2, Op::Read, 8192, data.len() as u64, &io)), data.len() as i64);
+    let dst: Vec<u8> = pieces.iter().flat_map(|&(gpa, len)| g.get(gpa, len)).collect();
     assert_eq!(dst, data);
     // A single buffer reads the same.
     assert_eq!(read_all(bs[0].as_mut(), 8192, data.len()), data);
@@ -172,18 +218,23 @@ fn many_requests_in_flight() {
         blocks.swap(i, (x >> 33) as usize % (i + 1));
     }
     let blocks = &blocks[..N];
-    let mut data: Vec<Vec<u8>> = blocks.iter().map(|&blk| pattern(BLOCK, blk as u64 + 7)).collect();
-    let bufs: Vec<[Buf; 1]> = data.iter_mut().map(|d| [buf(d)]).collect();
+    let data: Vec<Vec<u8>> = blocks.iter().map(|&blk| pattern(BLOCK, blk as u64 + 7)).collect();
+    let mut g = Guest::new();
+    let bufs: Vec<IoBufs> = data
+        .iter()
+        .map(|d| {
+            let at = g.with(d);
+            g.io(&[(at, BLOCK)])
+        })
+        .collect();
     for (i, &blk) in blocks.iter().enumerate() {
         assert_eq!(b.room(), N - i);
-        // SAFETY: `data` outlives the completions, reaped below.
-        unsafe { b.queue(&req(i as u64, Op::Write, (blk * BLOCK) as u64, BLOCK as u64, &bufs[i])) }.unwrap();
+        b.queue(&req(i as u64, Op::Write, (blk * BLOCK) as u64, BLOCK as u64, &bufs[i])).unwrap();
     }
     assert_eq!(b.room(), 0);
     assert_eq!(b.in_flight(), N);
     // Full: refused, nothing queued.
-    // SAFETY: refused requests are not queued.
-    assert_eq!(unsafe { b.queue(&req(999, Op::Flush, 0, 0, &[])) }, Err(EBUSY));
+    assert_eq!(b.queue(&req(999, Op::Flush, 0, 0, NONE)), Err(EBUSY));
     b.submit();
     assert_eq!(b.stats().submit_calls, 1, "one system call for the whole batch");
     assert_eq!(b.stats().submitted, N as u64);
@@ -193,18 +244,17 @@ fn many_requests_in_flight() {
         assert_eq!(*c, Completion { tag: i as u64, result: BLOCK as i64 });
     }
     // Read them all back at once.
-    let mut back: Vec<Vec<u8>> = (0..N).map(|_| vec![0u8; BLOCK]).collect();
-    let bufs: Vec<[Buf; 1]> = back.iter_mut().map(|d| [buf(d)]).collect();
+    let back: Vec<u64> = (0..N).map(|_| g.alloc(BLOCK, 0)).collect();
+    let bufs: Vec<IoBufs> = back.iter().map(|&at| g.io(&[(at, BLOCK)])).collect();
     for (i, &blk) in blocks.iter().enumerate() {
-        // SAFETY: `back` outlives the completions, reaped below.
-        unsafe { b.queue(&req(1000 + i as u64, Op::Read, (blk * BLOCK) as u64, BLOCK as u64, &bufs[i])) }.unwrap();
+        b.queue(&req(1000 + i as u64, Op::Read, (blk * BLOCK) as u64, BLOCK as u64, &bufs[i])).unwrap();
     }
     let calls = b.stats().submit_calls;
     b.submit();
     assert_eq!(b.stats().submit_calls, calls + 1);
     let done = collect(b.as_mut(), N);
     assert!(done.iter().all(|c| c.result == BLOCK as i64));
-    assert_eq!(back, data);
+    assert_eq!(back.iter().map(|&at| g.get(at, BLOCK)).collect::<Vec<_>>(), data);
     let s = b.stats();
     assert_eq!((s.submitted, s.completed, s.errors), (2 * N as u64, 2 * N as u64, 0));
 }
@@ -213,10 +263,10 @@ fn many_requests_in_flight() {
 fn flush() {
     let t = Temp::file("flush", 65536);
     let mut b = one(&t.path, 4);
-    let mut d = pattern(4096, 3);
-    let bufs = [buf(&mut d)];
-    assert_eq!(run(b.as_mut(), &req(1, Op::Write, 0, 4096, &bufs)), 4096);
-    assert_eq!(run(b.as_mut(), &req(2, Op::Flush, 0, 0, &[])), 0);
+    let mut g = Guest::new();
+    let at = g.with(&pattern(4096, 3));
+    assert_eq!(run(b.as_mut(), &req(1, Op::Write, 0, 4096, &g.io(&[(at, 4096)]))), 4096);
+    assert_eq!(run(b.as_mut(), &req(2, Op::Flush, 0, 0, NONE)), 0);
     assert_eq!(b.stats().errors, 0);
 }
 
@@ -226,7 +276,7 @@ fn discard_in(dir: &Path) {
     let t = Temp::filled(dir, "discard", SIZE, 0xab);
     let mut b = one(&t.path, 4);
     let before = std::fs::metadata(&t.path).unwrap().blocks();
-    let r = run(b.as_mut(), &req(1, Op::Discard, 256 << 10, 512 << 10, &[]));
+    let r = run(b.as_mut(), &req(1, Op::Discard, 256 << 10, 512 << 10, NONE));
     if r == -(libc::EOPNOTSUPP as i64) {
         println!("note: {} does not support punch-hole; discard not checked", dir.display());
         return;
@@ -257,9 +307,9 @@ fn write_zeroes_in(dir: &Path) {
     let mut b = one(&t.path, 4);
     for round in 0..2u64 {
         let base = round * (128 << 10);
-        let r = run(b.as_mut(), &req(1, Op::WriteZeroes { unmap: false }, base, 32 << 10, &[]));
+        let r = run(b.as_mut(), &req(1, Op::WriteZeroes { unmap: false }, base, 32 << 10, NONE));
         assert_eq!(r, 0, "write-zeroes without unmap in {}", dir.display());
-        let r = run(b.as_mut(), &req(2, Op::WriteZeroes { unmap: true }, base + (64 << 10), 32 << 10, &[]));
+        let r = run(b.as_mut(), &req(2, Op::WriteZeroes { unmap: true }, base + (64 << 10), 32 << 10, NONE));
         assert_eq!(r, 0, "write-zeroes with unmap in {}", dir.display());
     }
     let back = read_all(b.as_mut(), 0, SIZE);
@@ -270,7 +320,7 @@ fn write_zeroes_in(dir: &Path) {
     }
     assert_eq!(std::fs::metadata(&t.path).unwrap().len(), SIZE as u64, "size kept");
     // An empty range is fine too.
-    assert_eq!(run(b.as_mut(), &req(3, Op::WriteZeroes { unmap: false }, 0, 0, &[])), 0);
+    assert_eq!(run(b.as_mut(), &req(3, Op::WriteZeroes { unmap: false }, 0, 0, NONE)), 0);
 }
 
 #[test]
@@ -289,32 +339,34 @@ fn read_only_refuses_writes() {
     let (info, mut bs) = open_file(&t.path, true, false, 1, 4).unwrap();
     assert!(info.read_only);
     let b = bs[0].as_mut();
-    let mut d = vec![0u8; 512];
-    let bufs = [buf(&mut d)];
+    let mut g = Guest::new();
+    let at = g.alloc(512, 0);
+    let io = g.io(&[(at, 512)]);
     for op in [Op::Write, Op::Discard, Op::WriteZeroes { unmap: false }, Op::WriteZeroes { unmap: true }] {
-        // SAFETY: refused requests are not queued.
-        assert_eq!(unsafe { b.queue(&req(1, op, 0, 512, &bufs)) }, Err(EROFS), "{op:?}");
+        assert_eq!(b.queue(&req(1, op, 0, 512, &io)), Err(EROFS), "{op:?}");
     }
     assert_eq!((b.room(), b.in_flight()), (4, 0));
     b.submit();
     assert_eq!(b.stats().submit_calls, 0, "nothing to submit");
     // Reads and flushes work.
     assert_eq!(read_all(b, 512, 512), pattern(8192, 9)[512..1024]);
-    assert_eq!(run(b, &req(2, Op::Flush, 0, 0, &[])), 0);
+    assert_eq!(run(b, &req(2, Op::Flush, 0, 0, NONE)), 0);
 }
 
 #[test]
 fn too_many_segments_refused() {
     let t = Temp::file("segs", 1 << 20);
     let mut b = one(&t.path, 4);
-    let mut d = vec![0u8; (MAX_SEGS + 1) * 512];
-    let mut bufs: Vec<Buf> = d.chunks_mut(512).map(buf).collect();
-    // SAFETY: refused requests are not queued.
-    assert_eq!(unsafe { b.queue(&req(1, Op::Read, 0, d.len() as u64, &bufs)) }, Err(EINVAL));
+    let mut g = Guest::new();
+    // Pieces apart from each other (every other 512 bytes).
+    let at = g.alloc((MAX_SEGS + 1) * 1024, 0);
+    let mut pieces: Vec<(u64, usize)> = (0..MAX_SEGS as u64 + 1).map(|i| (at + 1024 * i, 512)).collect();
+    let len = (MAX_SEGS as u64 + 1) * 512;
+    assert_eq!(b.queue(&req(1, Op::Read, 0, len, &g.io(&pieces))), Err(EINVAL));
     assert_eq!(b.in_flight(), 0);
     // MAX_SEGS is fine.
-    bufs.pop();
-    assert_eq!(run(b.as_mut(), &req(2, Op::Read, 0, 0, &bufs)), (MAX_SEGS * 512) as i64);
+    pieces.pop();
+    assert_eq!(run(b.as_mut(), &req(2, Op::Read, 0, 0, &g.io(&pieces))), (MAX_SEGS * 512) as i64);
 }
 
 #[test]
@@ -323,10 +375,9 @@ fn read_past_end_is_an_error() {
     // the first read is short, the rest reads nothing, and that is -EIO.
     let t = Temp::file("eof", 8192);
     let mut b = one(&t.path, 4);
-    let mut d = vec![0u8; 8192];
-    let (x, y) = d.split_at_mut(2048);
-    let bufs = [buf(x), buf(y)];
-    assert_eq!(run(b.as_mut(), &req(1, Op::Read, 4096, 8192, &bufs)), EIO);
+    let mut g = Guest::new();
+    let (x, y) = (g.alloc(2048, 0), g.alloc(6144, 0));
+    assert_eq!(run(b.as_mut(), &req(1, Op::Read, 4096, 8192, &g.io(&[(x, 2048), (y, 6144)]))), EIO);
     assert_eq!(b.stats().errors, 1);
     assert!(b.stats().submit_calls >= 2, "the rest was resubmitted");
 }
@@ -355,33 +406,6 @@ fn open_errors_name_the_path() {
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
 }
 
-/// Memory aligned for O_DIRECT, freed on drop.
-struct Aligned {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl Aligned {
-    fn new(len: usize) -> Aligned {
-        let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        Aligned { ptr, layout }
-    }
-    fn slice(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` holds `layout.size()` initialised bytes owned by self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
-    }
-}
-
-impl Drop for Aligned {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
-}
-
 #[test]
 fn direct_io_with_aligned_buffers() {
     let t = Temp::file("direct", 1 << 20);
@@ -395,16 +419,15 @@ fn direct_io_with_aligned_buffers() {
     };
     assert!(info.block_size >= 512 && info.block_size.is_power_of_two(), "block size {}", info.block_size);
     let b = bs[0].as_mut();
-    let mut w = Aligned::new(3 * 4096);
+    // Guest memory is page-aligned as O_DIRECT needs.
+    let mut g = Guest::new();
     let data = pattern(3 * 4096, 11);
-    w.slice().copy_from_slice(&data);
-    let (x, y) = w.slice().split_at_mut(4096);
-    let bufs = [buf(x), buf(y)];
-    assert_eq!(run(b, &req(1, Op::Write, 65536, data.len() as u64, &bufs)), data.len() as i64);
-    let mut r = Aligned::new(3 * 4096);
-    let bufs = [buf(r.slice())];
-    assert_eq!(run(b, &req(2, Op::Read, 65536, data.len() as u64, &bufs)), data.len() as i64);
-    assert_eq!(r.slice(), &data[..]);
+    let w = g.with(&data);
+    let io = g.io(&[(w, 4096), (w + 4096, 2 * 4096)]);
+    assert_eq!(run(b, &req(1, Op::Write, 65536, data.len() as u64, &io)), data.len() as i64);
+    let r = g.alloc(3 * 4096, 0);
+    assert_eq!(run(b, &req(2, Op::Read, 65536, data.len() as u64, &g.io(&[(r, 3 * 4096)]))), data.len() as i64);
+    assert_eq!(g.get(r, 3 * 4096), data);
 }
 
 #[test]
@@ -412,10 +435,10 @@ fn completion_fd_wakes_after_submit() {
     let t = Temp::file("efd", 65536);
     let mut b = one(&t.path, 4);
     let fd = b.completion_fd().expect("file backend has a completion fd");
-    let mut d = vec![0u8; 4096];
-    let bufs = [buf(&mut d)];
-    // SAFETY: `d` outlives the completion, reaped below.
-    unsafe { b.queue(&req(7, Op::Read, 0, 4096, &bufs)) }.unwrap();
+    let mut g = Guest::new();
+    let at = g.alloc(4096, 0);
+    let io = g.io(&[(at, 4096)]);
+    b.queue(&req(7, Op::Read, 0, 4096, &io)).unwrap();
     b.submit();
     let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     // SAFETY: one valid pollfd, bounded timeout.
@@ -434,15 +457,21 @@ fn completion_fd_wakes_after_submit() {
 #[test]
 fn drop_with_requests_in_flight() {
     let t = Temp::file("drop", 1 << 20);
-    let mut d = vec![0u8; 1 << 20];
-    {
-        let mut b = one(&t.path, 8);
-        let bufs = [buf(&mut d)];
-        // SAFETY: `d` outlives the backend, whose drop waits for the request.
-        unsafe { b.queue(&req(1, Op::Read, 0, 1 << 20, &bufs)) }.unwrap();
-        b.submit();
-    }
-    d[0] = 1;
+    std::fs::write(&t.path, vec![0x3c; 1 << 20]).unwrap();
+    let mut b = one(&t.path, 8);
+    let mut g = Guest::new();
+    let at = g.alloc(1 << 20, 0);
+    let io = g.io(&[(at, 1 << 20)]);
+    b.queue(&req(1, Op::Read, 0, 1 << 20, &io)).unwrap();
+    b.submit();
+    // The request holds the memory: the test's own handles on it can go
+    // while the kernel writes into it.
+    let weak = Arc::downgrade(&g.mem);
+    drop((io, g));
+    assert!(weak.upgrade().is_some(), "the backend holds the memory of a request in flight");
+    // The backend's drop waits for the request; then nothing holds the memory.
+    drop(b);
+    assert!(weak.upgrade().is_none(), "the memory is let go once the request is done");
 }
 
 #[test]
@@ -451,21 +480,18 @@ fn null_backend() {
     assert_eq!(info.capacity, 1 << 30);
     assert_eq!(bs.len(), 2);
     let b = bs[0].as_mut();
-    let mut d = vec![0x77u8; 1024];
-    let bufs = [buf(&mut d)];
+    let mut g = Guest::new();
+    let at = g.alloc(1024, 0x77);
     assert_eq!(b.room(), 4);
-    // SAFETY: the null backend touches no buffer.
-    unsafe {
-        b.queue(&req(1, Op::Read, 0, 1024, &bufs)).unwrap();
-        b.queue(&req(2, Op::Flush, 0, 0, &[])).unwrap();
-    }
+    b.queue(&req(1, Op::Read, 0, 1024, &g.io(&[(at, 1024)]))).unwrap();
+    b.queue(&req(2, Op::Flush, 0, 0, NONE)).unwrap();
     assert_eq!((b.room(), b.in_flight()), (2, 2));
     b.submit();
     let mut out = Vec::new();
     b.reap(&mut out);
     assert_eq!(out, vec![Completion { tag: 1, result: 1024 }, Completion { tag: 2, result: 0 }]);
     assert_eq!((b.room(), b.in_flight()), (4, 0));
-    assert!(d.iter().all(|&x| x == 0x77), "reads leave buffers alone");
+    assert!(g.get(at, 1024).iter().all(|&x| x == 0x77), "reads leave buffers alone");
 }
 
 #[test]
@@ -484,7 +510,7 @@ fn block_device_read_only() {
     };
     let (info, mut bs) = open_file(&dev, true, true, 1, 4).unwrap();
     assert_eq!((info.capacity, info.block_size, info.read_only), (size, lbs, true), "{}", dev.display());
-    let mut a = Aligned::new(4096);
-    let bufs = [buf(a.slice())];
-    assert_eq!(run(bs[0].as_mut(), &req(1, Op::Read, 0, 4096, &bufs)), 4096);
+    let mut g = Guest::new();
+    let at = g.alloc(4096, 0);
+    assert_eq!(run(bs[0].as_mut(), &req(1, Op::Read, 0, 4096, &g.io(&[(at, 4096)]))), 4096);
 }

@@ -1,10 +1,12 @@
 //! The virtio-net device (virtio 1.2, section 5.1): the virtio_net_hdr,
 //! mergeable RX buffers, the control queue and the config space. It moves
 //! frames between a queue pair's rings and a backend; it knows nothing of
-//! vhost-user or sockets.
+//! vhost-user or sockets. It reaches guest memory only through virtq's
+//! views (`GuestBufs`), so it holds no `unsafe` code.
+#![forbid(unsafe_code)]
 
 use vhostd_backends::{NetBackend, Offloads, VNET_HDR_LEN};
-use virtq::{copy_from_segs, copy_to_segs, Access, Batch, Queue};
+use virtq::{Access, Batch, GuestBufs, Queue};
 
 /// virtio-net feature bits.
 pub mod features {
@@ -211,9 +213,7 @@ pub fn process_tx(
     // The rings' pop prefetched each frame's first line; start on the
     // second (header and frame span two lines) before copying the first.
     for chain in &batch.chains {
-        if let Some(seg) = batch.readable(chain).first() {
-            virtq::split::prefetch(seg.addr.wrapping_add(64));
-        }
+        batch.readable(chain).prefetch(64);
     }
     let mut filled = 0;
     for chain in &batch.chains {
@@ -227,32 +227,13 @@ pub fn process_tx(
         } else {
             let frame = len - hdr_len;
             let buf = &mut bufs[filled];
-            let segs = batch.readable(chain);
-            match segs {
-                // One buffer holding header and frame: what drivers post.
-                [seg] => {
-                    // SAFETY: seg.len == len >= hdr_len + frame (a single
-                    // segment carries the whole chain), so the source ranges
-                    // (header, frame) are inside the translated buffer;
-                    // buf's storage has room for `frame` bytes (checked above),
-                    // vnet_hdr for VNET_HDR_LEN <= hdr_len.
-                    unsafe {
-                        if layout.tx_offloads {
-                            std::ptr::copy_nonoverlapping(seg.addr, buf.vnet_hdr.as_mut_ptr(), VNET_HDR_LEN);
-                        }
-                        copy_frame(seg.addr.add(hdr_len), buf.storage().as_mut_ptr(), frame)
-                    }
-                }
-                _ => {
-                    if layout.tx_offloads {
-                        copy_from_segs(segs, 0, &mut buf.vnet_hdr);
-                    }
-                    copy_from_segs(segs, hdr_len, &mut buf.storage()[..frame]);
-                }
-            }
-            if !layout.tx_offloads {
+            let src = batch.readable(chain);
+            if layout.tx_offloads {
+                src.read(0, &mut buf.vnet_hdr);
+            } else {
                 buf.vnet_hdr = [0; VNET_HDR_LEN];
             }
+            src.read(hdr_len, &mut buf.storage()[..frame]);
             buf.len = frame;
             stats.bytes += frame as u64;
             filled += 1;
@@ -299,88 +280,14 @@ pub fn process_rx(
     done + (rx.stats().bad_chains - bad_before) as usize
 }
 
-/// Copies `n` bytes from `src` to `dst`. Frames of 16 to 128 bytes, the
-/// small packets a 64-byte benchmark and most ACK traffic move, are copied
-/// inline with a few overlapping 16-byte loads and stores; a call into
-/// `memcpy` and its size dispatch cost more than the copy itself.
-///
-/// # Safety
-/// `src` must be readable and `dst` writable for `n` bytes, and the two
-/// ranges must not overlap.
-#[inline(always)]
-unsafe fn copy_frame(src: *const u8, dst: *mut u8, n: usize) {
-    // A vector register on x86_64: a byte array of this size is moved
-    // through the stack instead.
-    #[cfg(target_arch = "x86_64")]
-    type Chunk = core::arch::x86_64::__m128i;
-    #[cfg(not(target_arch = "x86_64"))]
-    type Chunk = [u8; 16];
-    /// Moves the 16 bytes at `off`.
-    ///
-    /// # Safety
-    /// `off + 16 <= n` for the ranges of `copy_frame`.
-    #[inline(always)]
-    unsafe fn mv(src: *const u8, dst: *mut u8, off: usize) {
-        // SAFETY: inside both ranges (caller); unaligned accesses.
-        unsafe { (dst.add(off) as *mut Chunk).write_unaligned((src.add(off) as *const Chunk).read_unaligned()) }
-    }
-    // SAFETY (every arm): each offset plus 16 is at most n; the chunks may
-    // overlap each other but never the other range.
-    unsafe {
-        match n {
-            16..=32 => {
-                mv(src, dst, 0);
-                mv(src, dst, n - 16);
-            }
-            33..=64 => {
-                for off in [0, 16, n - 32, n - 16] {
-                    mv(src, dst, off);
-                }
-            }
-            65..=128 => {
-                for off in [0, 16, 32, 48, n - 64, n - 48, n - 32, n - 16] {
-                    mv(src, dst, off);
-                }
-            }
-            _ => std::ptr::copy_nonoverlapping(src, dst, n),
-        }
-    }
-}
-
 /// Writes header then frame into a chain's buffers (which have room for
 /// both). `hdr` is the header's bytes 0-7 and 8-11 (`header_words`); only
-/// `hdr_len` of its bytes are written.
-///
-/// The header is stored straight from registers. Copied from a temporary
-/// on the stack instead, the copy's 8-byte load spans the smaller stores
-/// that built it, cannot be forwarded from them, and waits until they leave
-/// the store buffer: behind the previous frame's stores into guest memory,
-/// which miss (the guest wrote those lines last). That put one cross-CPU
-/// miss per frame in series: a third of the packed loop's cycles.
+/// `hdr_len` of its bytes are written, straight from registers (see
+/// `GuestBufs::write_header_and` for why).
 #[inline]
-fn write_frame(segs: &[virtq::Seg], hdr_len: usize, hdr: (u64, u32), frame: &[u8]) {
+fn write_frame(dst: GuestBufs<'_>, hdr_len: usize, hdr: (u64, u32), frame: &[u8]) {
     debug_assert!(hdr_len == HDR_LEN || hdr_len == LEGACY_HDR_LEN);
-    match segs {
-        [seg] if seg.len as usize >= hdr_len + frame.len() => {
-            // SAFETY: the one buffer has room for header and frame (checked
-            // in the pattern guard; hdr_len is 10 or 12, so the 8-byte and the
-            // 2- or 4-byte store stay inside the header); the frame source is
-            // host memory, not overlapping guest buffers.
-            unsafe {
-                (seg.addr as *mut u64).write_unaligned(hdr.0.to_le());
-                if hdr_len == HDR_LEN {
-                    (seg.addr.add(8) as *mut u32).write_unaligned(hdr.1.to_le());
-                } else {
-                    (seg.addr.add(8) as *mut u16).write_unaligned((hdr.1 as u16).to_le());
-                }
-                copy_frame(frame.as_ptr(), seg.addr.add(hdr_len), frame.len());
-            }
-        }
-        _ => {
-            copy_to_segs(segs, 0, &header_bytes(hdr)[..hdr_len]);
-            copy_to_segs(segs, hdr_len, frame);
-        }
-    }
+    dst.write_header_and(hdr, hdr_len, frame);
 }
 
 /// The header the guest receives, as its bytes 0-7 and 8-11 read
@@ -417,20 +324,18 @@ fn rx_simple(
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
     // The pop prefetched each buffer's first line; the second as well.
     for chain in &batch.chains {
-        if let Some(seg) = batch.writable(chain).first() {
-            virtq::split::prefetch_write(seg.addr.wrapping_add(64));
-        }
+        batch.writable(chain).prefetch_write(64);
     }
     for (chain, f) in batch.chains.iter().zip(frames) {
         let need = hdr_len + f.len;
-        let segs = batch.writable(chain);
+        let dst = batch.writable(chain);
         if (chain.write_len as usize) < need {
             stats.too_big += 1;
             stats.dropped += 1;
             rx.add_used(chain.head, 0);
             continue;
         }
-        write_frame(segs, hdr_len, header_words(f, layout.rx_offloads, 1), f.frame());
+        write_frame(dst, hdr_len, header_words(f, layout.rx_offloads, 1), f.frame());
         rx.add_used(chain.head, need as u32);
         stats.packets += 1;
         stats.bytes += f.len as u64;
@@ -460,10 +365,9 @@ fn rx_mergeable(
         // The pop started taking each buffer's first line for writing; a
         // header and a short frame reach into the second.
         for chain in &batch.chains {
-            if let Some(seg) = batch.writable(chain).first() {
-                if seg.len > 64 {
-                    virtq::split::prefetch_write(seg.addr.wrapping_add(64));
-                }
+            let dst = batch.writable(chain);
+            if dst.segs().first().is_some_and(|s| s.len() > 64) {
+                dst.prefetch_write(64);
             }
         }
         let mut c = 0;
@@ -531,14 +435,14 @@ fn rx_mergeable(
             let mut off = 0usize;
             let mut first = true;
             for chain in &batch.chains[c..k] {
-                let segs = batch.writable(chain);
+                let dst = batch.writable(chain);
                 let mut used = 0usize;
                 if first {
                     // At least a header's room (checked above).
-                    used = copy_to_segs(segs, 0, &header_bytes(header_words(f, offloads, nbufs)));
+                    used = dst.write(0, &header_bytes(header_words(f, offloads, nbufs)));
                     first = false;
                 }
-                let n = copy_to_segs(segs, used, &f.frame()[off..]);
+                let n = dst.write(used, &f.frame()[off..]);
                 off += n;
                 used += n;
                 rx.add_used(chain.head, used as u32);
@@ -597,7 +501,7 @@ pub fn process_ctrl(q: &mut Queue, batch: &mut Batch, state: &mut CtrlState) -> 
     let n = q.pop_batch(batch, BURST, Access::ReadThenWrite);
     for chain in &batch.chains {
         let mut req = [0u8; 64];
-        let got = copy_from_segs(batch.readable(chain), 0, &mut req);
+        let got = batch.readable(chain).read(0, &mut req);
         let ack = if got < 2 || chain.write_len < 1 {
             ctrl::ERR
         } else {
@@ -635,7 +539,7 @@ pub fn process_ctrl(q: &mut Queue, batch: &mut Batch, state: &mut CtrlState) -> 
             state.errors += 1;
         }
         if chain.write_len >= 1 {
-            copy_to_segs(batch.writable(chain), 0, &[ack]);
+            batch.writable(chain).write(0, &[ack]);
             q.add_used(chain.head, 1);
         } else {
             q.add_used(chain.head, 0);
@@ -648,52 +552,6 @@ pub fn process_ctrl(q: &mut Queue, batch: &mut Batch, state: &mut CtrlState) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn copy_frame_copies_exactly_n_bytes_at_every_size_and_alignment() {
-        let src: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
-        for n in 0..=300 {
-            for (so, d_off) in [(0, 0), (1, 3), (5, 17), (31, 1)] {
-                let mut dst = vec![0xAAu8; 400];
-                // SAFETY: so + n <= 331 < 400 and 8 + d_off + n <= 325 < 400;
-                // two separate vectors.
-                unsafe { copy_frame(src.as_ptr().add(so), dst.as_mut_ptr().add(8 + d_off), n) };
-                let at = 8 + d_off;
-                assert_eq!(&dst[at..at + n], &src[so..so + n], "n {n} src offset {so}");
-                assert!(dst[..at].iter().all(|&b| b == 0xAA), "n {n}: wrote before the range");
-                assert!(dst[at + n..].iter().all(|&b| b == 0xAA), "n {n}: wrote after the range");
-            }
-        }
-    }
-
-    #[test]
-    fn write_frame_writes_header_and_frame_and_nothing_else() {
-        let mut f = vhostd_backends::FrameBuf::new();
-        f.vnet_hdr = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
-        let hdr = header_words(&f, true, 0x0b0c);
-        let long: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
-        for hdr_len in [LEGACY_HDR_LEN, HDR_LEN] {
-            // An empty frame too: nothing past the header may be written.
-            for frame in [&long[..], &[]] {
-                let want: Vec<u8> = header_bytes(hdr)[..hdr_len].iter().chain(frame).copied().collect();
-                let check = |got: Vec<u8>, how: &str| {
-                    assert_eq!(&got[..want.len()], &want[..], "{how}, header {hdr_len}, frame {}", frame.len());
-                    assert!(got[want.len()..].iter().all(|&b| b == 0xEE), "{how}: wrote past the frame");
-                };
-                // One buffer (the fast path), exactly the size or with room to spare.
-                for spare in [0, 7] {
-                    let mut one = vec![0xEEu8; want.len() + spare];
-                    write_frame(&[virtq::Seg { addr: one.as_mut_ptr(), len: one.len() as u32 }], hdr_len, hdr, frame);
-                    check(one, "one buffer");
-                }
-                // Three buffers, the first shorter than the header.
-                let (mut a, mut b, mut c) = (vec![0xEEu8; 5], vec![0xEEu8; 40], vec![0xEEu8; 60]);
-                let segs = [&mut a, &mut b, &mut c].map(|v| virtq::Seg { addr: v.as_mut_ptr(), len: v.len() as u32 });
-                write_frame(&segs, hdr_len, hdr, frame);
-                check([a, b, c].concat(), "three buffers");
-            }
-        }
-    }
 
     #[test]
     fn config_layout() {

@@ -19,7 +19,7 @@ use vhost::vhost_user::{
     Backend, BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut, VhostUserProtocolFeatures,
 };
 use vhost::VhostUserMemoryRegionBase;
-use virtq::split::{copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, Chain, SplitConfig, SplitQueue};
+use virtq::{Access, Batch, Chain, SplitConfig, SplitQueue};
 use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region};
 
 use vhostd_user::blk::workload::{self, check_pattern, Mode, Workload};
@@ -55,9 +55,20 @@ struct Shared {
     corrupt: AtomicBool,
 }
 
+/// A region's frontend address, guest-physical address and size.
+type Addrs = (u64, u64, u64);
+
+/// The guest-physical address of the frontend's virtual address `uaddr`
+/// (vhost-user gives ring addresses in that space); an odd address, which
+/// ring set-up refuses, if unmapped.
+fn to_gpa(table: &[Addrs], uaddr: u64) -> u64 {
+    table.iter().find(|&&(u, _, size)| uaddr.wrapping_sub(u) < size).map_or(1, |&(u, gpa, _)| gpa + (uaddr - u))
+}
+
 struct Fake {
     acked: u64,
-    mem: Option<Arc<GuestMemory>>,
+    /// The memory table and its regions as (frontend address, gpa, size).
+    mem: Option<(Arc<GuestMemory>, Vec<Addrs>)>,
     ring: RingCfg,
     shared: Arc<Shared>,
     worker: Option<(Arc<AtomicBool>, JoinHandle<u32>)>,
@@ -82,35 +93,35 @@ fn handle(b: &Batch, c: &Chain, disk: &mut [u8], corrupt: bool) -> Option<u32> {
     let mut hdr = [0u8; 16];
     let mut st = status::IOERR;
     let mut used = 1;
-    if copy_from_segs(r, 0, &mut hdr) == 16 {
+    if r.read(0, &mut hdr) == 16 {
         let t = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
         let off = u64::from_le_bytes(hdr[8..16].try_into().unwrap()).saturating_mul(SECTOR) as usize;
         let inside = |len: usize| off.checked_add(len).is_some_and(|e| e <= disk.len());
         match t {
             types::IN if inside(c.write_len as usize - 1) => {
                 let len = c.write_len as usize - 1;
-                copy_to_segs(w, 0, &disk[off..off + len]);
+                w.write(0, &disk[off..off + len]);
                 if corrupt && (off..off + len).contains(&CORRUPT_AT) {
-                    copy_to_segs(w, CORRUPT_AT - off, &[!disk[CORRUPT_AT]]);
+                    w.write(CORRUPT_AT - off, &[!disk[CORRUPT_AT]]);
                 }
                 (st, used) = (status::OK, len as u32 + 1);
             }
             types::OUT if inside(c.read_len as usize - 16) => {
                 let len = c.read_len as usize - 16;
-                copy_from_segs(r, 16, &mut disk[off..off + len]);
+                r.read(16, &mut disk[off..off + len]);
                 st = status::OK;
             }
             types::IN | types::OUT => {}
             types::FLUSH => st = status::OK,
             types::GET_ID => {
-                used += copy_to_segs(w, 0, &ID[..ID.len().min(c.write_len as usize - 1)]) as u32;
+                used += w.write(0, &ID[..ID.len().min(c.write_len as usize - 1)]) as u32;
                 st = status::OK;
             }
             T_DROP => return None,
             _ => st = status::UNSUPP,
         }
     }
-    copy_to_segs(w, c.write_len as usize - 1, &[st]);
+    w.write(c.write_len as usize - 1, &[st]);
     Some(used)
 }
 
@@ -120,27 +131,27 @@ impl Fake {
         if self.worker.is_some() || r.size == 0 || r.desc == 0 || !r.kick || !r.enabled {
             return;
         }
-        let Some(mem) = self.mem.clone() else { return };
+        let Some((mem, table)) = self.mem.clone() else { return };
         let mut q = if self.acked & features::RING_PACKED != 0 {
             let cfg = PackedConfig {
                 size: r.size,
-                desc: r.desc,
-                driver: r.avail,
-                device: r.used,
+                desc: to_gpa(&table, r.desc),
+                driver: to_gpa(&table, r.avail),
+                device: to_gpa(&table, r.used),
                 features: self.acked,
                 base: r.base,
             };
-            Queue::Packed(PackedQueue::new(mem, cfg, AddrSpace::FrontendVirtual).unwrap())
+            Queue::Packed(PackedQueue::new(mem, cfg).unwrap())
         } else {
             let cfg = SplitConfig {
                 size: r.size,
-                desc: r.desc,
-                avail: r.avail,
-                used: r.used,
+                desc: to_gpa(&table, r.desc),
+                avail: to_gpa(&table, r.avail),
+                used: to_gpa(&table, r.used),
                 features: self.acked,
                 next_avail: r.base as u16,
             };
-            Queue::Split(SplitQueue::new(mem, cfg, AddrSpace::FrontendVirtual).unwrap())
+            Queue::Split(SplitQueue::new(mem, cfg).unwrap())
         };
         let call = r.call.clone();
         let shared = self.shared.clone();
@@ -160,7 +171,7 @@ impl Fake {
                 let mut d = shared.disk.lock().unwrap();
                 for c in &b.chains[..n] {
                     if let Some(len) = handle(&b, c, &mut d, corrupt) {
-                        done.push((c.head, len, b.readable(c).len() + b.writable(c).len()));
+                        done.push((c.head, len, b.readable(c).segs().len() + b.writable(c).segs().len()));
                     }
                 }
                 drop(d);
@@ -232,13 +243,14 @@ impl VhostUserBackendReqHandlerMut for Fake {
         files: Vec<File>,
         _pl: Option<bool>,
     ) -> VResult<Option<Vec<VhostUserMemoryRegionBase>>> {
-        let mut regions = Vec::new();
+        let (mut regions, mut table) = (Vec::new(), Vec::new());
         for (r, f) in ctx.iter().zip(files.iter()) {
             let m =
                 Mapping::map(f, r.mmap_offset, r.memory_size).map_err(|_| vhost::vhost_user::Error::InvalidParam)?;
-            regions.push(Region::new(r.guest_phys_addr, r.memory_size, r.user_addr, m, 0).unwrap());
+            regions.push(Region::new(r.guest_phys_addr, r.memory_size, Arc::new(m), 0).unwrap());
+            table.push((r.user_addr, r.guest_phys_addr, r.memory_size));
         }
-        self.mem = Some(Arc::new(GuestMemory::from_regions(regions).unwrap()));
+        self.mem = Some((Arc::new(GuestMemory::from_regions(regions).unwrap()), table));
         Ok(None)
     }
     fn set_vring_num(&mut self, index: u32, num: u32) -> VResult<()> {

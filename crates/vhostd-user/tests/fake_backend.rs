@@ -15,7 +15,7 @@ use vhost::vhost_user::{
     Backend, BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut, VhostUserProtocolFeatures,
 };
 use vhost::VhostUserMemoryRegionBase;
-use virtq::split::{copy_from_segs, copy_to_segs, Access, AddrSpace, Batch, SplitConfig, SplitQueue};
+use virtq::{Access, Batch, SplitConfig, SplitQueue};
 use virtq::{GuestMemory, Mapping, Region};
 
 use vhostd_user::{build_udp_frame, features, Error, Options, VirtioUser};
@@ -36,11 +36,22 @@ struct RingCfg {
     enabled: bool,
 }
 
+/// A region's frontend address, guest-physical address and size.
+type Addrs = (u64, u64, u64);
+
+/// The guest-physical address of the frontend's virtual address `uaddr`
+/// (vhost-user gives ring addresses in that space); an odd address, which
+/// ring set-up refuses, if unmapped.
+fn to_gpa(table: &[Addrs], uaddr: u64) -> u64 {
+    table.iter().find(|&&(u, _, size)| uaddr.wrapping_sub(u) < size).map_or(1, |&(u, gpa, _)| gpa + (uaddr - u))
+}
+
 #[derive(Default)]
 struct Fake {
     acked: u64,
     proto: u64,
-    mem: Option<Arc<GuestMemory>>,
+    /// The memory table and its regions as (frontend address, gpa, size).
+    mem: Option<(Arc<GuestMemory>, Vec<Addrs>)>,
     rings: [RingCfg; 2],
     worker: Option<(Arc<AtomicBool>, JoinHandle<[u16; 2]>)>,
 }
@@ -60,17 +71,17 @@ impl Fake {
         if self.worker.is_some() || !self.rings.iter().all(ready) {
             return;
         }
-        let Some(mem) = self.mem.clone() else { return };
+        let Some((mem, table)) = self.mem.clone() else { return };
         let cfg = |r: &RingCfg| SplitConfig {
             size: r.size,
-            desc: r.desc,
-            avail: r.avail,
-            used: r.used,
+            desc: to_gpa(&table, r.desc),
+            avail: to_gpa(&table, r.avail),
+            used: to_gpa(&table, r.used),
             features: self.acked,
             next_avail: r.base,
         };
-        let mut rxq = SplitQueue::new(mem.clone(), cfg(&self.rings[0]), AddrSpace::FrontendVirtual).unwrap();
-        let mut txq = SplitQueue::new(mem, cfg(&self.rings[1]), AddrSpace::FrontendVirtual).unwrap();
+        let mut rxq = SplitQueue::new(mem.clone(), cfg(&self.rings[0])).unwrap();
+        let mut txq = SplitQueue::new(mem, cfg(&self.rings[1])).unwrap();
         let calls = [self.rings[0].call.clone(), self.rings[1].call.clone()];
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
@@ -90,12 +101,12 @@ impl Fake {
                 }
                 let m = rxq.pop_batch(&mut rb, n, Access::WriteOnly);
                 for (i, c) in tb.chains.iter().enumerate() {
-                    let len = copy_from_segs(tb.readable(c), 12, &mut frame);
+                    let len = tb.readable(c).read(12, &mut frame);
                     if let Some(rc) = rb.chains.get(i).filter(|_| i < m) {
                         let mut hdr = [0u8; 12];
                         hdr[10] = 1; // num_buffers
-                        let a = copy_to_segs(rb.writable(rc), 0, &hdr);
-                        let b = copy_to_segs(rb.writable(rc), 12, &frame[..len]);
+                        let a = rb.writable(rc).write(0, &hdr);
+                        let b = rb.writable(rc).write(12, &frame[..len]);
                         rxq.add_used(rc.head, (a + b) as u32);
                     }
                     txq.add_used(c.head, 0);
@@ -158,13 +169,14 @@ impl VhostUserBackendReqHandlerMut for Fake {
         files: Vec<File>,
         _pl: Option<bool>,
     ) -> VResult<Option<Vec<VhostUserMemoryRegionBase>>> {
-        let mut regions = Vec::new();
+        let (mut regions, mut table) = (Vec::new(), Vec::new());
         for (r, f) in ctx.iter().zip(files.iter()) {
             let m =
                 Mapping::map(f, r.mmap_offset, r.memory_size).map_err(|_| vhost::vhost_user::Error::InvalidParam)?;
-            regions.push(Region::new(r.guest_phys_addr, r.memory_size, r.user_addr, m, 0).unwrap());
+            regions.push(Region::new(r.guest_phys_addr, r.memory_size, Arc::new(m), 0).unwrap());
+            table.push((r.user_addr, r.guest_phys_addr, r.memory_size));
         }
-        self.mem = Some(Arc::new(GuestMemory::from_regions(regions).unwrap()));
+        self.mem = Some((Arc::new(GuestMemory::from_regions(regions).unwrap()), table));
         Ok(None)
     }
     fn set_vring_num(&mut self, index: u32, num: u32) -> VResult<()> {

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod man;
+pub mod memory;
 pub mod metrics;
 pub mod notify;
 pub mod sandbox;

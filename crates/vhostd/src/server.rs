@@ -653,7 +653,7 @@ pub struct Globals {
 pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
     let signals = Signals::new()?;
     // A frontend truncating guest memory under us costs that memory, not the process.
-    virtq::memory::install_sigbus_handler()?;
+    crate::memory::install_sigbus_handler()?;
     let named = devices.len() > 1;
     let mut built = Vec::new();
     for d in &devices {

@@ -12,7 +12,9 @@ use vhost::vhost_user::{Error as VuError, Result as VuResult};
 use vhost::VhostUserMemoryRegionBase;
 use vhostd_net::{CtrlState, NetConfig, STATUS_LINK_UP};
 use virtq::ring::features as ring_features;
-use virtq::{AddrSpace, GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, SplitConfig, SplitQueue};
+use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, SplitConfig, SplitQueue};
+
+use crate::memory::{FrontendAddrs, FrontendRegion};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::worker::{Shared, Slot, WorkerHandle};
@@ -118,6 +120,8 @@ pub struct Session {
     features: u64,
     protocol: u64,
     mem: Arc<GuestMemory>,
+    /// The table's regions in the frontend's address space (ring addresses).
+    addrs: FrontendAddrs,
     /// How many times each region (gpa, size, uaddr) was added: QEMU sends
     /// ADD_MEM_REG / REM_MEM_REG once per queue pair for the same region.
     region_refs: std::collections::HashMap<(u64, u64, u64), u32>,
@@ -125,39 +129,20 @@ pub struct Session {
     status: u8,
     /// blk: the frontend's inflight memory (SET_INFLIGHT_FD) and its
     /// queue size.
-    inflight: Option<(Arc<vhostd_blk::InflightMap>, u16)>,
+    inflight: Option<(Arc<Mapping>, u16)>,
 }
 
-/// Maps `size` bytes of the inflight file at `offset`, shared.
-fn map_inflight(file: &File, size: usize, offset: u64) -> VuResult<Arc<vhostd_blk::InflightMap>> {
-    use std::os::fd::AsRawFd;
-    // Shrinking it under us would raise SIGBUS: seal it where possible
-    // (ours always is), and refuse one that is already too small.
-    if !virtq::memory::seal_shrink(file.as_raw_fd()) {
+/// Maps `size` bytes of the inflight file at `offset`, shared (sealed
+/// against shrinking where it can be; refused past the end of the file).
+fn map_inflight(file: &File, size: usize, offset: u64) -> VuResult<Arc<Mapping>> {
+    let m = Mapping::map(file, offset, size as u64).map_err(|e| {
+        tracing::warn!("cannot map the inflight memory: {e}");
+        VuError::InvalidOperation("cannot map the inflight memory")
+    })?;
+    if !m.sealed() {
         tracing::warn!("the inflight memory file cannot be sealed against shrinking");
     }
-    let len = file.metadata().map_err(VuError::ReqHandlerError)?.len();
-    if offset.checked_add(size as u64).is_none_or(|end| end > len) {
-        return Err(err("inflight memory past the end of its file"));
-    }
-    // SAFETY: a fresh shared mapping of a file we were handed, size and
-    // offset checked against its length; nothing else aliases it in this
-    // process.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            offset as libc::off_t,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(VuError::ReqHandlerError(std::io::Error::last_os_error()));
-    }
-    // SAFETY: just mapped, `size` bytes, owned by the returned map.
-    Ok(Arc::new(unsafe { vhostd_blk::InflightMap::from_raw(p as *mut u8, size) }))
+    Ok(Arc::new(m))
 }
 
 fn err(msg: &'static str) -> VuError {
@@ -182,6 +167,7 @@ impl Session {
             features: 0,
             protocol: 0,
             mem: Arc::new(GuestMemory::new()),
+            addrs: FrontendAddrs::default(),
             region_refs: std::collections::HashMap::new(),
             vrings: (0..nrings).map(|_| Vring::default()).collect(),
             status: 0,
@@ -260,28 +246,34 @@ impl Session {
             Some(q) => q,
             None => {
                 let v = &self.vrings[i];
+                // Ring addresses come in the frontend's address space.
+                let gpa = |uaddr| self.addrs.to_gpa(uaddr).ok_or(virtq::SetupError::NotMapped);
                 let made = if self.features & ring_features::RING_PACKED != 0 {
-                    let cfg = PackedConfig {
-                        size: v.num,
-                        desc: v.desc,
-                        driver: v.avail,
-                        device: v.used,
-                        features: self.features,
-                        base: v.base,
-                    };
-                    PackedQueue::new(self.mem.clone(), cfg, AddrSpace::FrontendVirtual).map(Queue::Packed)
+                    (|| {
+                        let cfg = PackedConfig {
+                            size: v.num,
+                            desc: gpa(v.desc)?,
+                            driver: gpa(v.avail)?,
+                            device: gpa(v.used)?,
+                            features: self.features,
+                            base: v.base,
+                        };
+                        PackedQueue::new(self.mem.clone(), cfg).map(Queue::Packed)
+                    })()
                 } else if v.base > u16::MAX as u32 {
                     Err(virtq::SetupError::BadBase)
                 } else {
-                    let cfg = SplitConfig {
-                        size: v.num,
-                        desc: v.desc,
-                        avail: v.avail,
-                        used: v.used,
-                        features: self.features,
-                        next_avail: v.base as u16,
-                    };
-                    SplitQueue::new(self.mem.clone(), cfg, AddrSpace::FrontendVirtual).map(Queue::Split)
+                    (|| {
+                        let cfg = SplitConfig {
+                            size: v.num,
+                            desc: gpa(v.desc)?,
+                            avail: gpa(v.avail)?,
+                            used: gpa(v.used)?,
+                            features: self.features,
+                            next_avail: v.base as u16,
+                        };
+                        SplitQueue::new(self.mem.clone(), cfg).map(Queue::Split)
+                    })()
                 };
                 made.map_err(|e| {
                     tracing::warn!(ring = i, "cannot start ring: {e}");
@@ -327,6 +319,7 @@ impl Session {
             *v = Vring::default();
         }
         self.mem = Arc::new(GuestMemory::new());
+        self.addrs = FrontendAddrs::default();
         self.region_refs.clear();
         self.features = 0;
         self.status = 0;
@@ -341,12 +334,13 @@ impl Session {
     }
 
     /// Installs a new memory table: running and parked rings are moved onto it.
-    fn replace_memory(&mut self, mem: GuestMemory) -> VuResult<()> {
+    fn replace_memory(&mut self, mem: GuestMemory, addrs: FrontendAddrs) -> VuResult<()> {
         let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running).collect();
         for &i in &running {
             self.stop_ring(i);
         }
         self.mem = Arc::new(mem);
+        self.addrs = addrs;
         for v in self.vrings.iter_mut() {
             if let Some(q) = v.parked.take() {
                 match q.remap(self.mem.clone()) {
@@ -372,21 +366,20 @@ impl Session {
         if !gpa.is_multiple_of(16) || !uaddr.is_multiple_of(16) || !offset.is_multiple_of(16) {
             return Err(err("memory region not 16-byte aligned (guest address, user address or mmap offset)"));
         }
-        // Map from the page holding the region start; offsets that are not
-        // page aligned are mapped from the file start as libvhost-user does.
-        let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
-        let len = size.checked_add(skip).ok_or_else(|| err("region size overflows"))?;
-        let mapping = Mapping::map(file, map_off, len).map_err(|e| {
+        if uaddr.checked_add(size).is_none() {
+            return Err(err("memory region past the end of the frontend's address space"));
+        }
+        let region = crate::memory::map_region(file, gpa, size, offset).map_err(|e| {
             tracing::warn!("cannot map memory region: {e}");
             VuError::InvalidOperation("cannot map the memory region")
         })?;
-        if !mapping.sealed() {
+        if !region.mapping().sealed() {
             tracing::warn!(
                 "memory region at {gpa:#x} is a file that cannot be sealed against shrinking (not a memfd): \
                  a frontend that truncates it would crash vhostd"
             );
         }
-        Region::new(gpa, size, uaddr, mapping, skip).map_err(|_| err("bad memory region"))
+        Ok(region)
     }
 
     /// Device status as GET_STATUS reports it (NEEDS_RESET once a ring broke).
@@ -499,12 +492,15 @@ impl VhostUserBackendReqHandlerMut for Session {
             return Err(err("SET_MEM_TABLE region and fd counts differ"));
         }
         let mut regions = Vec::with_capacity(ctx.len());
+        let mut addrs = FrontendAddrs::default();
         for (r, f) in ctx.iter().zip(files.iter()) {
             regions.push(Self::map_region(r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset, f)?);
+            let fr = FrontendRegion { gpa: r.guest_phys_addr, size: r.memory_size, uaddr: r.user_addr };
+            addrs = addrs.with(fr).map_err(|_| err("memory regions overlap"))?;
         }
         let mem = GuestMemory::from_regions(regions).map_err(|_| err("memory regions overlap"))?;
-        self.region_refs = mem.regions().iter().map(|r| ((r.gpa, r.size, r.uaddr), 1)).collect();
-        self.replace_memory(mem)?;
+        self.region_refs = addrs.regions().iter().map(|r| ((r.gpa, r.size, r.uaddr), 1)).collect();
+        self.replace_memory(mem, addrs)?;
         Ok(None)
     }
 
@@ -707,7 +703,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_max_mem_slots(&mut self) -> VuResult<u64> {
-        Ok(virtq::memory::MAX_REGIONS as u64)
+        Ok(virtq::MAX_REGIONS as u64)
     }
 
     fn add_mem_region(
@@ -724,12 +720,15 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         let r =
             Self::map_region(region.guest_phys_addr, region.memory_size, region.user_addr, region.mmap_offset, &fd)?;
-        let mem = self.mem.with_region(r).map_err(|e| {
+        let refused = |e: &dyn std::fmt::Display| {
             tracing::warn!("ADD_MEM_REG refused: {e}");
             VuError::InvalidOperation("ADD_MEM_REG refused")
-        })?;
+        };
+        let fr = FrontendRegion { gpa: region.guest_phys_addr, size: region.memory_size, uaddr: region.user_addr };
+        let addrs = self.addrs.with(fr).map_err(|_| refused(&"memory regions overlap"))?;
+        let mem = self.mem.with_region(r).map_err(|e| refused(&e))?;
         self.region_refs.insert(key, 1);
-        self.replace_memory(mem)?;
+        self.replace_memory(mem, addrs)?;
         Ok(None)
     }
 
@@ -747,8 +746,12 @@ impl VhostUserBackendReqHandlerMut for Session {
             .mem
             .without_region(region.guest_phys_addr, region.memory_size)
             .map_err(|_| err("REM_MEM_REG of a region not in the table"))?;
+        let addrs = self
+            .addrs
+            .without(region.guest_phys_addr, region.memory_size)
+            .map_err(|_| err("REM_MEM_REG of a region not in the table"))?;
         self.region_refs.remove(&key);
-        self.replace_memory(mem)
+        self.replace_memory(mem, addrs)
     }
 
     fn set_device_state_fd(

@@ -275,7 +275,7 @@ struct Worker {
     tx_blocked: bool,
     /// Idle passes in a row with TX blocked.
     blocked_passes: u32,
-    /// `virtq::memory::lost_mappings()` as last logged.
+    /// `crate::memory::lost_mappings()` as last logged.
     lost_seen: u64,
 }
 
@@ -339,7 +339,7 @@ pub fn spawn(
         ctrl_offloads: 0,
         tx_blocked: false,
         blocked_passes: 0,
-        lost_seen: virtq::memory::lost_mappings(),
+        lost_seen: crate::memory::lost_mappings(),
     };
     let device = device.to_string();
     let thread = std::thread::Builder::new().name(format!("vhostd-q{pair}")).spawn(move || {
@@ -533,6 +533,8 @@ impl Worker {
                         bq.drain(q, dev);
                         bq.detach_inflight();
                     }
+                    // The batch holds the ring's memory: let it go with the ring.
+                    ring.batch.release();
                     let out = ring.queue.take().map(|mut q| {
                         ring.report.queue = add_queue_stats(ring.report.queue, *q.stats());
                         *q.stats_mut() = QueueStats::default();
@@ -632,7 +634,7 @@ impl Worker {
 
     /// Signals NEEDS_RESET (once per ring) for rings the guest broke.
     fn check_broken(&mut self) {
-        let lost = virtq::memory::lost_mappings();
+        let lost = crate::memory::lost_mappings();
         if lost != self.lost_seen {
             self.lost_seen = lost;
             tracing::error!(

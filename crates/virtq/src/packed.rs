@@ -23,10 +23,11 @@
 //! not available, or that is longer than the ring, leaves no way to find
 //! where the next chain starts, so it marks the queue broken.
 
-use crate::memory::GuestMemory;
+use crate::chain::{check_indirect, overlaps, take_single, ChainWalk};
+use crate::guest::{DescTable, GuestMemory, PackedRing, Seg};
 use crate::ring::*;
-use crate::split::{Access, AddrSpace, Batch, Chain, ChainError, QueueStats, Seg, SetupError};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use crate::{Access, Batch, Chain, ChainError, QueueStats, SetupError};
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 /// Where a packed ring lives and where processing resumes.
@@ -34,7 +35,7 @@ use std::sync::Arc;
 pub struct PackedConfig {
     /// Queue size (1..=32768, not necessarily a power of two).
     pub size: u16,
-    /// Descriptor ring address (SET_VRING_ADDR's descriptor address).
+    /// Descriptor ring address (guest-physical).
     pub desc: u64,
     /// Driver event suppression area (SET_VRING_ADDR's avail address).
     pub driver: u64,
@@ -111,11 +112,8 @@ struct Popped {
 pub struct PackedQueue {
     mem: Arc<GuestMemory>,
     cfg: PackedConfig,
-    space: AddrSpace,
     size: u16,
-    ring: *mut u8,
-    driver_evt: *const u8,
-    device_evt: *mut u8,
+    ring: PackedRing,
     event_idx: bool,
     indirect: bool,
     in_order: bool,
@@ -137,22 +135,20 @@ pub struct PackedQueue {
     pub stats: QueueStats,
 }
 
-// SAFETY: the ring pointers point into `mem`, which the queue keeps alive;
-// the queue is owned by one thread at a time.
-unsafe impl Send for PackedQueue {}
-
-const EVT_OFF_WRAP: usize = 0;
-const EVT_FLAGS: usize = 2;
-const DESC_LEN: usize = 8;
-const DESC_ID: usize = 12;
-const DESC_FLAGS: usize = 14;
-
 #[derive(Clone, Copy)]
 struct PDesc {
     addr: u64,
     len: u32,
     id: u16,
     flags: u16,
+}
+
+impl PDesc {
+    #[inline(always)]
+    fn read(table: &DescTable, i: u16) -> PDesc {
+        let (addr, rest) = table.read(i);
+        PDesc { addr, len: rest as u32, id: (rest >> 32) as u16, flags: (rest >> 48) as u16 }
+    }
 }
 
 /// How a chain walk ended.
@@ -166,7 +162,7 @@ enum Walk {
 impl PackedQueue {
     /// Sets up a ring: checks the size and alignment, translates the
     /// descriptor ring and both event areas once, positions from `cfg.base`.
-    pub fn new(mem: Arc<GuestMemory>, cfg: PackedConfig, space: AddrSpace) -> Result<PackedQueue, SetupError> {
+    pub fn new(mem: Arc<GuestMemory>, cfg: PackedConfig) -> Result<PackedQueue, SetupError> {
         let n = cfg.size;
         if n == 0 || n > MAX_QUEUE_SIZE {
             return Err(SetupError::BadSize);
@@ -175,7 +171,6 @@ impl PackedQueue {
             return Err(SetupError::Misaligned);
         }
         let dlen = desc_table_size(n);
-        let overlaps = |a: u64, al: u64, b: u64, bl: u64| a < b.saturating_add(bl) && b < a.saturating_add(al);
         if overlaps(cfg.device, 4, cfg.desc, dlen) || overlaps(cfg.device, 4, cfg.driver, 4) {
             return Err(SetupError::Overlap);
         }
@@ -191,31 +186,12 @@ impl PackedQueue {
         if (lap(avail) + 2 * n as u32 - lap(used)) % (2 * n as u32) >= n as u32 {
             return Err(SetupError::BadBase);
         }
-        let tr = |addr: u64, len: u64| -> Option<*mut u8> {
-            match space {
-                AddrSpace::FrontendVirtual => mem.translate_uaddr(addr, len),
-                AddrSpace::GuestPhysical => mem.translate(addr, len, &mut 0),
-            }
-        };
-        let ring = tr(cfg.desc, dlen).ok_or(SetupError::NotMapped)?;
-        let driver_evt = tr(cfg.driver, 4).ok_or(SetupError::NotMapped)?;
-        let device_evt = tr(cfg.device, 4).ok_or(SetupError::NotMapped)?;
-        // The ring is read with aligned loads: the host addresses must be
-        // aligned too (a region mapped at an odd offset would break that).
-        if !(ring as usize).is_multiple_of(16)
-            || !(driver_evt as usize).is_multiple_of(4)
-            || !(device_evt as usize).is_multiple_of(4)
-        {
-            return Err(SetupError::Misaligned);
-        }
+        let ring = PackedRing::new(&mem, cfg.desc, cfg.driver, cfg.device, n)?;
         Ok(PackedQueue {
             mem,
             cfg,
-            space,
             size: n,
             ring,
-            driver_evt,
-            device_evt,
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
             in_order: cfg.features & features::IN_ORDER != 0,
@@ -239,7 +215,7 @@ impl PackedQueue {
     pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<PackedQueue, SetupError> {
         let mut cfg = self.cfg;
         cfg.base = self.vring_base();
-        let mut q = PackedQueue::new(mem, cfg, self.space)?;
+        let mut q = PackedQueue::new(mem, cfg)?;
         // Positions and chains in flight carry over as they are (the base
         // encoding cannot say "used at slot 0 of the second lap").
         q.next_avail = self.next_avail;
@@ -273,23 +249,9 @@ impl PackedQueue {
         self.broken
     }
 
-    #[inline]
-    fn read_u16(base: *const u8, off: usize) -> u16 {
-        // SAFETY: every caller passes a base translated at set-up with its full
-        // length and an offset inside it; the fields are 2-aligned because
-        // the bases were checked for alignment (16 for the ring, 4 for the areas).
-        u16::from_le(unsafe { std::ptr::read_volatile(base.add(off) as *const u16) })
-    }
-
-    #[inline]
-    fn write_u16(base: *mut u8, off: usize, v: u16) {
-        // SAFETY: as read_u16.
-        unsafe { std::ptr::write_volatile(base.add(off) as *mut u16, v.to_le()) }
-    }
-
-    #[inline]
+    #[inline(always)]
     fn slot_flags(&self, idx: u16) -> u16 {
-        Self::read_u16(self.ring, idx as usize * 16 + DESC_FLAGS)
+        self.ring.flags(idx)
     }
 
     #[inline]
@@ -297,14 +259,6 @@ impl PackedQueue {
         let a = flags & VRING_PACKED_DESC_F_AVAIL != 0;
         let u = flags & VRING_PACKED_DESC_F_USED != 0;
         a == wrap && u != wrap
-    }
-
-    #[inline]
-    fn read_desc(table: *const u8, i: u16) -> PDesc {
-        // SAFETY: callers check i against the table's entry count, and the
-        // table was translated with its full length.
-        let (addr, rest) = unsafe { crate::ring::read_desc_words(table.add(i as usize * 16)) };
-        PDesc { addr, len: rest as u32, id: (rest >> 32) as u16, flags: (rest >> 48) as u16 }
     }
 
     /// How many chains to plan for: `want` if the next slot is available,
@@ -353,7 +307,7 @@ impl PackedQueue {
     /// ring, a bad chain after good ones ends the batch and is handled first
     /// in the next. Returns the number of chains in `batch`.
     pub fn pop_batch(&mut self, batch: &mut Batch, max: usize, access: Access) -> usize {
-        batch.clear();
+        batch.start(&self.mem);
         if self.broken {
             return 0;
         }
@@ -384,35 +338,13 @@ impl PackedQueue {
             // Read the descriptor only after seeing its flags.
             fence(Ordering::Acquire);
             let seg_start = batch.segs.len();
-            let d = Self::read_desc(self.ring, pos.idx);
-            // Fast path: one direct descriptor in one region.
-            if d.flags & (VRING_DESC_F_NEXT | VRING_DESC_F_INDIRECT) == 0 && d.len != 0 {
-                let write = d.flags & VRING_DESC_F_WRITE != 0;
-                let direction_ok = match access {
-                    Access::ReadOnly => !write,
-                    Access::WriteOnly => write,
-                    Access::ReadThenWrite => true,
-                };
-                if direction_ok {
-                    if let Some(addr) = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint) {
-                        crate::split::prefetch_buffer(addr, write);
-                        batch.segs.push(Seg { addr, len: d.len });
-                        let (n_read, n_write) = if write { (0, 1) } else { (1, 0) };
-                        batch.chains.push(Chain {
-                            head: d.id,
-                            seg_start: seg_start as u32,
-                            n_read,
-                            n_write,
-                            read_len: if write { 0 } else { d.len },
-                            write_len: if write { d.len } else { 0 },
-                        });
-                        self.push_popped(pos, 1, d.id);
-                        self.next_avail = pos.advance(1, self.size);
-                        self.stats.fast_chains += 1;
-                        room -= 1;
-                        continue;
-                    }
-                }
+            let d = PDesc::read(&self.ring.desc, pos.idx);
+            if take_single(batch, &self.mem, &mut self.region_hint, d.id, d.addr, d.len, d.flags, access) {
+                self.push_popped(pos, 1, d.id);
+                self.next_avail = pos.advance(1, self.size);
+                self.stats.fast_chains += 1;
+                room -= 1;
+                continue;
             }
             let walk = match self.walk_chain(pos, batch, access) {
                 Walk::Done(_, ndesc, _) if ndesc as u32 > room => Walk::Broken(ChainError::TooLong),
@@ -425,8 +357,7 @@ impl PackedQueue {
                     self.broken = true;
                     break;
                 }
-                Walk::Done(Ok(mut chain), ndesc, _) => {
-                    chain.seg_start = seg_start as u32;
+                Walk::Done(Ok(chain), ndesc, _) => {
                     let id = chain.head;
                     batch.chains.push(chain);
                     self.push_popped(pos, ndesc, id);
@@ -498,24 +429,24 @@ impl PackedQueue {
         }
         fence(Ordering::Acquire);
         let mut d = [PDesc { addr: 0, len: 0, id: 0, flags: 0 }; 4];
-        let mut host = [std::ptr::null_mut(); 4];
+        let mut segs = [Seg::default(); 4];
         for k in 0..4 {
-            d[k] = Self::read_desc(self.ring, pos.idx + k as u16);
+            d[k] = PDesc::read(&self.ring.desc, pos.idx + k as u16);
             if d[k].len == 0 || d[k].flags & mask != want {
                 return false;
             }
-            match self.mem.translate(d[k].addr, d[k].len as u64, &mut self.region_hint) {
-                Some(h) => host[k] = h,
+            match self.mem.seg(d[k].addr, d[k].len, &mut self.region_hint) {
+                Some(s) => segs[k] = s,
                 None => return false,
             }
         }
         let write = want_dir != 0;
-        for h in host {
-            crate::split::prefetch_buffer(h, write);
+        for s in &segs {
+            s.prefetch(write);
         }
         // Appended four at a time: one capacity check per array, not one per chain.
         let seg_start = batch.segs.len() as u32;
-        batch.segs.extend_from_slice(&std::array::from_fn::<_, 4, _>(|k| Seg { addr: host[k], len: d[k].len }));
+        batch.segs.extend_from_slice(&segs);
         batch.chains.extend_from_slice(&std::array::from_fn::<_, 4, _>(|k| Chain {
             head: d[k].id,
             seg_start: seg_start + k as u32,
@@ -551,8 +482,7 @@ impl PackedQueue {
     /// the first used write.
     #[inline]
     fn prefetch_next_slot(&self) {
-        // A prefetch never faults; next_avail.idx < size keeps it in the ring anyway.
-        crate::split::prefetch_write(self.ring.wrapping_add(self.next_avail.idx as usize * 16));
+        self.ring.desc.prefetch_write(self.next_avail.idx);
     }
 
     #[inline]
@@ -567,9 +497,8 @@ impl PackedQueue {
     /// appending segments to `batch.segs`. After an error it keeps walking
     /// (without collecting) to find where the chain ends.
     fn walk_chain(&mut self, start: Pos, batch: &mut Batch, access: Access) -> Walk {
-        let mut chain = Chain::default();
+        let mut walk = ChainWalk::new(batch);
         let mut result: Result<(), ChainError> = Ok(());
-        let (mut read_len, mut write_len) = (0u64, 0u64);
         let mut pos = start;
         let mut n = 0u16;
         loop {
@@ -577,7 +506,7 @@ impl PackedQueue {
                 // Every slot carries NEXT: a chain longer than the ring.
                 return Walk::Broken(ChainError::TooLong);
             }
-            let d = Self::read_desc(self.ring, pos.idx);
+            let d = PDesc::read(&self.ring.desc, pos.idx);
             if n > 0 && !Self::is_avail(d.flags, pos.wrap) {
                 // The driver makes a chain's first descriptor available last;
                 // a later one that is not available means a corrupt ring.
@@ -585,114 +514,41 @@ impl PackedQueue {
             }
             n += 1;
             if result.is_ok() {
-                result = self.take_desc(&d, n == 1, &mut chain, &mut read_len, &mut write_len, batch, access);
+                result = self.take_desc(&d, n == 1, &mut walk, batch, access);
             }
             if d.flags & VRING_DESC_F_NEXT == 0 {
                 let id = d.id;
-                let r = result.and_then(|_| {
-                    if read_len > u32::MAX as u64 || write_len > u32::MAX as u64 {
-                        return Err(ChainError::TooBig);
-                    }
-                    chain.head = id;
-                    chain.read_len = read_len as u32;
-                    chain.write_len = write_len as u32;
-                    Ok(chain)
-                });
-                return Walk::Done(r, n, id);
+                return Walk::Done(result.and_then(|_| walk.finish(id)), n, id);
             }
             pos = pos.advance(1, self.size);
         }
     }
 
-    /// Adds one ring descriptor (direct or an indirect table) to `chain`.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds one ring descriptor (direct or an indirect table) to the walk.
     fn take_desc(
         &mut self,
         d: &PDesc,
         first: bool,
-        chain: &mut Chain,
-        read_len: &mut u64,
-        write_len: &mut u64,
+        walk: &mut ChainWalk,
         batch: &mut Batch,
         access: Access,
     ) -> Result<(), ChainError> {
+        let write = |flags: u16| flags & VRING_DESC_F_WRITE != 0;
         if d.flags & VRING_DESC_F_INDIRECT == 0 {
-            return self.take_buffer(
-                d.addr,
-                d.len,
-                d.flags & VRING_DESC_F_WRITE != 0,
-                chain,
-                read_len,
-                write_len,
-                batch,
-                access,
-            );
+            return walk.add(batch, &self.mem, &mut self.region_hint, d.addr, d.len, write(d.flags), access);
         }
         // An indirect descriptor must be the whole chain (not linked by NEXT).
-        if !self.indirect || !first || d.flags & VRING_DESC_F_NEXT != 0 {
-            return Err(ChainError::BadIndirect);
-        }
-        if d.len == 0 || !d.len.is_multiple_of(16) || d.len / 16 > MAX_QUEUE_SIZE as u32 || !d.addr.is_multiple_of(16) {
-            return Err(ChainError::BadIndirect);
-        }
-        let table = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint).ok_or(ChainError::BadAddress)?;
-        for i in 0..(d.len / 16) as u16 {
-            let e = Self::read_desc(table, i);
+        check_indirect(self.indirect, !first, d.flags, d.addr, d.len)?;
+        let table =
+            DescTable::indirect(&self.mem, d.addr, d.len, &mut self.region_hint).ok_or(ChainError::BadAddress)?;
+        for i in 0..table.len() {
+            let e = PDesc::read(&table, i);
             // Only WRITE is meaningful in a table; an indirect inside one is
             // never what a driver meant.
             if e.flags & VRING_DESC_F_INDIRECT != 0 {
                 return Err(ChainError::BadIndirect);
             }
-            self.take_buffer(
-                e.addr,
-                e.len,
-                e.flags & VRING_DESC_F_WRITE != 0,
-                chain,
-                read_len,
-                write_len,
-                batch,
-                access,
-            )?;
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    fn take_buffer(
-        &mut self,
-        addr: u64,
-        len: u32,
-        write: bool,
-        chain: &mut Chain,
-        read_len: &mut u64,
-        write_len: &mut u64,
-        batch: &mut Batch,
-        access: Access,
-    ) -> Result<(), ChainError> {
-        match (access, write) {
-            (Access::ReadOnly, true) | (Access::WriteOnly, false) => return Err(ChainError::WrongDirection),
-            (Access::ReadThenWrite, false) if chain.n_write > 0 => return Err(ChainError::WrongDirection),
-            _ => {}
-        }
-        if len == 0 {
-            return Ok(());
-        }
-        let segs = &mut batch.segs;
-        let mut pieces = 0u16;
-        let ok = self.mem.for_each_piece(addr, len as u64, &mut self.region_hint, |p, n| {
-            segs.push(Seg { addr: p, len: n as u32 });
-            pieces += 1;
-        });
-        if !ok {
-            return Err(ChainError::BadAddress);
-        }
-        if write {
-            chain.n_write = chain.n_write.checked_add(pieces).ok_or(ChainError::TooLong)?;
-            *write_len += len as u64;
-        } else {
-            chain.n_read = chain.n_read.checked_add(pieces).ok_or(ChainError::TooLong)?;
-            *read_len += len as u64;
+            walk.add(batch, &self.mem, &mut self.region_hint, e.addr, e.len, write(e.flags), access)?;
         }
         Ok(())
     }
@@ -725,29 +581,15 @@ impl PackedQueue {
         if len != 0 {
             flags |= VRING_DESC_F_WRITE;
         }
-        let base = slot as usize * 16;
         if self.pending_first.is_none() {
-            // SAFETY: slot < size; the ring was translated with size * 16
-            // bytes and is 16-aligned, so len (offset 8) and id (offset 12)
-            // are inside it and aligned.
-            unsafe {
-                std::ptr::write_volatile(self.ring.add(base + DESC_LEN) as *mut u32, len.to_le());
-                std::ptr::write_volatile(self.ring.add(base + DESC_ID) as *mut u16, id.to_le());
-            }
+            self.ring.set_len_id(slot, len, id);
             self.pending_first = Some((slot, flags));
         } else {
             // The driver reaches this slot only after the batch's first,
             // which is published last. len, id and flags go in one aligned
             // 8-byte store, which the driver sees whole: one store per used
             // descriptor instead of three.
-            let word = len as u64 | (id as u64) << 32 | (flags as u64) << 48;
-            // SAFETY: as above; offset 8 of a 16-aligned slot is 8-aligned.
-            // The ring is shared with the guest, outside Rust's memory model;
-            // this side touches it only through raw-pointer accesses, never
-            // references, and an aligned 8-byte store is single-copy atomic
-            // on the hardware, which is what the driver relies on.
-            unsafe { AtomicU64::from_ptr(self.ring.add(base + DESC_LEN) as *mut u64) }
-                .store(word.to_le(), Ordering::Release);
+            self.ring.set_len_id_flags(slot, len, id, flags);
         }
         self.next_used = self.next_used.advance(p.ndesc, self.size);
     }
@@ -807,7 +649,7 @@ impl PackedQueue {
     pub fn publish_used(&mut self) {
         if let Some((slot, flags)) = self.pending_first.take() {
             fence(Ordering::Release);
-            Self::write_u16(self.ring, slot as usize * 16 + DESC_FLAGS, flags);
+            self.ring.set_flags(slot, flags);
             self.stats.used_publishes += 1;
         }
     }
@@ -835,13 +677,13 @@ impl PackedQueue {
         // Our used flags must be visible before we read the driver's
         // suppression state, or both sides may decide to sleep.
         fence(Ordering::SeqCst);
-        match Self::read_u16(self.driver_evt, EVT_FLAGS) & 3 {
+        match self.ring.driver_event_flags() & 3 {
             RING_EVENT_FLAGS_DISABLE => false,
             RING_EVENT_FLAGS_DESC if self.event_idx => {
                 if !valid {
                     return true;
                 }
-                let ev = Pos::decode(Self::read_u16(self.driver_evt, EVT_OFF_WRAP));
+                let ev = Pos::decode(self.ring.driver_event_off_wrap());
                 if ev.idx >= self.size {
                     return true;
                 }
@@ -860,14 +702,14 @@ impl PackedQueue {
             return;
         }
         self.notifications_disabled = true;
-        Self::write_u16(self.device_evt, EVT_FLAGS, RING_EVENT_FLAGS_DISABLE);
+        self.ring.set_device_event_flags(RING_EVENT_FLAGS_DISABLE);
     }
 
     /// Asks the driver to kick on new buffers. Returns true if buffers
     /// arrived meanwhile: the caller must process them rather than sleep.
     pub fn enable_notifications(&mut self) -> bool {
         self.notifications_disabled = false;
-        Self::write_u16(self.device_evt, EVT_FLAGS, RING_EVENT_FLAGS_ENABLE);
+        self.ring.set_device_event_flags(RING_EVENT_FLAGS_ENABLE);
         // The driver must see our request before we re-check the ring.
         fence(Ordering::SeqCst);
         !self.broken && Self::is_avail(self.slot_flags(self.next_avail.idx), self.next_avail.wrap)

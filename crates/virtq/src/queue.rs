@@ -1,9 +1,10 @@
 //! A device-side virtqueue of either layout, chosen by VIRTIO_F_RING_PACKED.
 //! Devices use this type; the match per call is one predictable branch.
 
-use crate::memory::GuestMemory;
+use crate::guest::GuestMemory;
 use crate::packed::PackedQueue;
-use crate::split::{Access, Batch, QueueStats, SetupError, SplitQueue};
+use crate::split::SplitQueue;
+use crate::{Access, Batch, Chain, QueueStats, SetupError};
 use std::sync::Arc;
 
 /// A split or packed virtqueue, device side.
@@ -117,7 +118,7 @@ impl Queue {
     /// Completes a popped batch as read, nothing written (one used entry
     /// for it all with IN_ORDER).
     #[inline]
-    pub fn add_used_read_only(&mut self, chains: &[crate::split::Chain]) {
+    pub fn add_used_read_only(&mut self, chains: &[Chain]) {
         each!(self, q => q.add_used_read_only(chains))
     }
 

@@ -4,7 +4,8 @@
 //! publish, ignores NO_INTERRUPT and binary-searches the region table on every
 //! access. This queue translates the three ring addresses once at set-up,
 //! reads `avail.idx` once per batch, keeps a last-hit region cache for
-//! buffers, and stores `used.idx` once per batch.
+//! buffers, and stores `used.idx` once per batch. It reaches the rings only
+//! through the guest-memory fence (`guest::SplitRing`): no raw pointer here.
 //!
 //! Everything read from guest memory is hostile: indexes, lengths, addresses,
 //! flags and chains are validated; a bad chain is completed with length 0 and
@@ -12,225 +13,35 @@
 //! size, a head index past the queue) marks the queue broken so the device
 //! can ask for a reset. Nothing here panics on guest input.
 
-use crate::memory::GuestMemory;
+use crate::chain::{check_indirect, overlaps, take_single, ChainWalk};
+use crate::guest::{DescTable, GuestMemory, SplitRing};
 use crate::ring::*;
+use crate::{Access, Batch, Chain, ChainError, QueueStats, SetupError};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
-/// A piece of a guest buffer, already translated to a host address.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seg {
-    /// Host address.
-    pub addr: *mut u8,
-    /// Length in bytes (never 0).
-    pub len: u32,
-}
-
-/// One popped descriptor chain; its segments live in the owning `Batch`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Chain {
-    /// Head descriptor index: what goes back in the used ring.
-    pub head: u16,
-    pub(crate) seg_start: u32,
-    pub(crate) n_read: u16,
-    pub(crate) n_write: u16,
-    /// Total device-readable bytes.
-    pub read_len: u32,
-    /// Total device-writable bytes.
-    pub write_len: u32,
-}
-
-/// Popped chains and their segments in flat arrays, reused across batches so
-/// the hot path does not allocate.
-#[derive(Default)]
-pub struct Batch {
-    /// The chains, in avail order.
-    pub chains: Vec<Chain>,
-    pub(crate) segs: Vec<Seg>,
-    /// The batch ended before a bad chain (which the next batch starts with).
-    pub ended_before_bad: bool,
-}
-
-// SAFETY: the raw pointers in `segs` point into guest memory that the queue's
-// `GuestMemory` keeps mapped; a Batch is only moved between threads together
-// with its queue.
-unsafe impl Send for Batch {}
-
-impl Batch {
-    /// An empty batch.
-    pub fn new() -> Batch {
-        Batch { chains: Vec::with_capacity(256), segs: Vec::with_capacity(1024), ended_before_bad: false }
-    }
-
-    /// Forgets all chains.
-    pub fn clear(&mut self) {
-        self.chains.clear();
-        self.segs.clear();
-        self.ended_before_bad = false;
-    }
-
-    /// Number of chains.
-    pub fn len(&self) -> usize {
-        self.chains.len()
-    }
-
-    /// True when no chain was popped.
-    pub fn is_empty(&self) -> bool {
-        self.chains.is_empty()
-    }
-
-    /// Device-readable segments of chain `c`.
-    #[inline]
-    pub fn readable(&self, c: &Chain) -> &[Seg] {
-        let s = c.seg_start as usize;
-        &self.segs[s..s + c.n_read as usize]
-    }
-
-    /// Device-writable segments of chain `c`.
-    #[inline]
-    pub fn writable(&self, c: &Chain) -> &[Seg] {
-        let s = c.seg_start as usize + c.n_read as usize;
-        &self.segs[s..s + c.n_write as usize]
-    }
-}
-
-/// Which buffers a queue's chains must carry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Access {
-    /// Only device-readable buffers (e.g. a net TX queue).
-    ReadOnly,
-    /// Only device-writable buffers (e.g. a net RX queue).
-    WriteOnly,
-    /// Readable buffers followed by writable ones (e.g. control or block queues).
-    ReadThenWrite,
-}
-
-/// Why a chain was rejected.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ChainError {
-    /// A `next` index or head past the queue size.
-    IndexOutOfRange,
-    /// More descriptors than the queue (or indirect table) holds: a loop.
-    TooLong,
-    /// A buffer outside the memory table.
-    BadAddress,
-    /// A writable buffer where a readable one is required, or the reverse.
-    WrongDirection,
-    /// INDIRECT without the feature, inside an indirect table, with NEXT, or
-    /// with a length that is zero or not a multiple of 16.
-    BadIndirect,
-    /// Total length does not fit in 32 bits.
-    TooBig,
-}
-
-/// Counters owned by the queue (read by whoever owns the queue).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QueueStats {
-    /// Chains popped and handed to the device.
-    pub chains: u64,
-    /// Chains rejected, by any reason.
-    pub bad_chains: u64,
-    /// Chains rejected for an index past the queue size.
-    pub bad_index: u64,
-    /// Chains rejected for looping or being too long.
-    pub bad_loop: u64,
-    /// Chains rejected for an address outside the memory table.
-    pub bad_address: u64,
-    /// Chains rejected for a buffer of the wrong direction.
-    pub bad_direction: u64,
-    /// Chains rejected for a malformed indirect descriptor.
-    pub bad_indirect: u64,
-    /// Batches popped (non-empty).
-    pub batches: u64,
-    /// used.idx stores (split) or publishing flag stores (packed).
-    pub used_publishes: u64,
-    /// Chains taken by the single-descriptor fast path.
-    pub fast_chains: u64,
-    /// Packed rings: groups of four simple descriptors taken at once.
-    pub batch4: u64,
-    /// Chains completed without a used entry of their own (IN_ORDER batches).
-    pub used_skipped: u64,
-}
-
-impl QueueStats {
-    pub(crate) fn count(&mut self, e: ChainError) {
-        self.bad_chains += 1;
-        match e {
-            ChainError::IndexOutOfRange => self.bad_index += 1,
-            ChainError::TooLong => self.bad_loop += 1,
-            ChainError::BadAddress | ChainError::TooBig => self.bad_address += 1,
-            ChainError::WrongDirection => self.bad_direction += 1,
-            ChainError::BadIndirect => self.bad_indirect += 1,
-        }
-    }
-}
-
-/// Where a split ring lives and where processing resumes.
+/// Where a split ring lives (guest-physical addresses) and where processing resumes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SplitConfig {
     /// Queue size (power of two, 1..=32768).
     pub size: u16,
-    /// Descriptor table address (frontend virtual address for vhost-user).
+    /// Descriptor table address.
     pub desc: u64,
     /// Available ring address.
     pub avail: u64,
     /// Used ring address.
     pub used: u64,
-    /// Negotiated device features (INDIRECT_DESC and EVENT_IDX matter here).
+    /// Negotiated device features (INDIRECT_DESC, EVENT_IDX and IN_ORDER matter here).
     pub features: u64,
     /// Next available index to process (SET_VRING_BASE).
     pub next_avail: u16,
-}
-
-/// Why a ring could not be set up.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SetupError {
-    /// Size zero, above 32768 or not a power of two.
-    BadSize,
-    /// A ring outside the memory table (or not within one region).
-    NotMapped,
-    /// A ring address not aligned as the spec requires.
-    Misaligned,
-    /// The used ring overlaps the descriptor table or the available ring
-    /// (packed: the device area overlaps the descriptor ring or driver area).
-    Overlap,
-    /// A packed ring's vring base names an index past the queue size.
-    BadBase,
-}
-
-impl std::fmt::Display for SetupError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = match self {
-            SetupError::BadSize => "queue size is zero, above 32768 or not a power of two",
-            SetupError::NotMapped => "a ring is not inside the memory table",
-            SetupError::Misaligned => "a ring address is misaligned",
-            SetupError::Overlap => "the used ring overlaps another ring",
-            SetupError::BadBase => "the ring base index is past the queue size",
-        };
-        f.write_str(s)
-    }
-}
-
-impl std::error::Error for SetupError {}
-
-/// Which translation of the ring addresses to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AddrSpace {
-    /// Frontend virtual addresses (vhost-user).
-    FrontendVirtual,
-    /// Guest-physical addresses (our own driver side, tests).
-    GuestPhysical,
 }
 
 /// The device side of one split virtqueue.
 pub struct SplitQueue {
     mem: Arc<GuestMemory>,
     cfg: SplitConfig,
-    space: AddrSpace,
-    mask: u16,
-    desc: *const u8,
-    avail: *const u8,
-    used: *mut u8,
+    ring: SplitRing,
     event_idx: bool,
     indirect: bool,
     in_order: bool,
@@ -251,17 +62,6 @@ pub struct SplitQueue {
     pub stats: QueueStats,
 }
 
-// SAFETY: the ring pointers point into `mem`, which the queue keeps alive;
-// the queue is owned by one thread at a time.
-unsafe impl Send for SplitQueue {}
-
-const AVAIL_FLAGS: usize = 0;
-const AVAIL_IDX: usize = 2;
-const AVAIL_RING: usize = 4;
-const USED_FLAGS: usize = 0;
-const USED_IDX: usize = 2;
-const USED_RING: usize = 4;
-
 #[derive(Clone, Copy)]
 struct Desc {
     addr: u64,
@@ -270,10 +70,18 @@ struct Desc {
     next: u16,
 }
 
+impl Desc {
+    #[inline(always)]
+    fn read(table: &DescTable, i: u16) -> Desc {
+        let (addr, rest) = table.read(i);
+        Desc { addr, len: rest as u32, flags: (rest >> 32) as u16, next: (rest >> 48) as u16 }
+    }
+}
+
 impl SplitQueue {
-    /// Sets up a ring: checks the size, translates and checks the three ring
-    /// addresses once, and reads used.idx to resume from.
-    pub fn new(mem: Arc<GuestMemory>, cfg: SplitConfig, space: AddrSpace) -> Result<SplitQueue, SetupError> {
+    /// Sets up a ring: checks the size, the alignment and overlap of the
+    /// three areas, translates them once, and reads used.idx to resume from.
+    pub fn new(mem: Arc<GuestMemory>, cfg: SplitConfig) -> Result<SplitQueue, SetupError> {
         let n = cfg.size;
         if n == 0 || n > MAX_QUEUE_SIZE || !n.is_power_of_two() {
             return Err(SetupError::BadSize);
@@ -282,52 +90,29 @@ impl SplitQueue {
             return Err(SetupError::Misaligned);
         }
         let (dlen, alen, ulen) = (desc_table_size(n), avail_ring_size(n), used_ring_size(n));
-        let overlaps = |a: u64, al: u64, b: u64, bl: u64| a < b.saturating_add(bl) && b < a.saturating_add(al);
         if overlaps(cfg.used, ulen, cfg.desc, dlen) || overlaps(cfg.used, ulen, cfg.avail, alen) {
             return Err(SetupError::Overlap);
         }
-        let tr = |addr: u64, len: u64| -> Option<*mut u8> {
-            match space {
-                AddrSpace::FrontendVirtual => mem.translate_uaddr(addr, len),
-                AddrSpace::GuestPhysical => mem.translate(addr, len, &mut 0),
-            }
-        };
-        let desc = tr(cfg.desc, dlen).ok_or(SetupError::NotMapped)?;
-        let avail = tr(cfg.avail, alen).ok_or(SetupError::NotMapped)?;
-        let used = tr(cfg.used, ulen).ok_or(SetupError::NotMapped)?;
-        // The rings are read with aligned loads: the host addresses must be
-        // aligned too (a region mapped at an odd offset would break that).
-        if !(desc as usize).is_multiple_of(16)
-            || !(avail as usize).is_multiple_of(2)
-            || !(used as usize).is_multiple_of(4)
-        {
-            return Err(SetupError::Misaligned);
-        }
-        let mut q = SplitQueue {
+        let ring = SplitRing::new(&mem, cfg.desc, cfg.avail, cfg.used, n)?;
+        let used = ring.used_idx();
+        Ok(SplitQueue {
             mem,
             cfg,
-            space,
-            mask: n - 1,
-            desc,
-            avail,
-            used,
+            ring,
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
             in_order: cfg.features & features::IN_ORDER != 0,
             next_avail: cfg.next_avail,
             avail_seen: cfg.next_avail,
-            next_used: 0,
-            published_used: 0,
+            next_used: used,
+            published_used: used,
             signalled_used: 0,
             signalled_valid: false,
             notifications_disabled: false,
             region_hint: 0,
             broken: false,
             stats: QueueStats::default(),
-        };
-        q.next_used = q.read_u16(q.used, USED_IDX);
-        q.published_used = q.next_used;
-        Ok(q)
+        })
     }
 
     /// The same ring over a new memory table (after SET_MEM_TABLE or
@@ -335,7 +120,7 @@ impl SplitQueue {
     pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<SplitQueue, SetupError> {
         let mut cfg = self.cfg;
         cfg.next_avail = self.next_avail;
-        let mut q = SplitQueue::new(mem, cfg, self.space)?;
+        let mut q = SplitQueue::new(mem, cfg)?;
         q.next_used = self.next_used;
         q.published_used = self.published_used;
         q.stats = self.stats;
@@ -370,7 +155,7 @@ impl SplitQueue {
 
     /// used.idx as it is in guest memory now.
     pub fn used_idx_in_memory(&self) -> u16 {
-        self.read_u16(self.used, USED_IDX)
+        self.ring.used_idx()
     }
 
     /// Moves the next available index (inflight recovery: a restarted
@@ -388,10 +173,10 @@ impl SplitQueue {
         if self.broken || head >= self.cfg.size {
             return false;
         }
+        batch.hold(&self.mem);
         let seg_start = batch.segs.len();
         match self.parse_chain(head, batch, access) {
-            Ok(mut chain) => {
-                chain.seg_start = seg_start as u32;
+            Ok(chain) => {
                 batch.chains.push(chain);
                 self.stats.chains += 1;
                 true
@@ -405,33 +190,6 @@ impl SplitQueue {
         }
     }
 
-    #[inline]
-    fn read_u16(&self, base: *const u8, off: usize) -> u16 {
-        // SAFETY: every caller passes a ring base translated at set-up with its
-        // full length, and an offset inside that length; u16 fields are
-        // 2-aligned because ring bases were checked for alignment.
-        u16::from_le(unsafe { std::ptr::read_volatile(base.add(off) as *const u16) })
-    }
-
-    #[inline]
-    fn write_u16(&self, base: *mut u8, off: usize, v: u16) {
-        // SAFETY: as read_u16; only the used ring (device-owned) is written.
-        unsafe { std::ptr::write_volatile(base.add(off) as *mut u16, v.to_le()) }
-    }
-
-    #[inline]
-    fn avail_idx(&self) -> u16 {
-        self.read_u16(self.avail, AVAIL_IDX)
-    }
-
-    #[inline]
-    fn read_desc(table: *const u8, i: u16) -> Desc {
-        // SAFETY: callers check i against the table's entry count, and the
-        // table was translated with its full length.
-        let (addr, rest) = unsafe { crate::ring::read_desc_words(table.add(i as usize * 16)) };
-        Desc { addr, len: rest as u32, flags: (rest >> 32) as u16, next: (rest >> 48) as u16 }
-    }
-
     /// How many chains the driver has made available and we have not popped
     /// (reads avail.idx). Marks the ring broken if avail.idx ran ahead by
     /// more than the queue size.
@@ -440,7 +198,7 @@ impl SplitQueue {
         if self.broken {
             return 0;
         }
-        let idx = self.avail_idx();
+        let idx = self.ring.avail_idx();
         let n = idx.wrapping_sub(self.next_avail);
         if n > self.cfg.size {
             self.broken = true;
@@ -472,7 +230,7 @@ impl SplitQueue {
     /// not returned; they only ever precede the good chains of a batch, so
     /// `unpop` never rewinds over one. Returns the number of chains in `batch`.
     pub fn pop_batch(&mut self, batch: &mut Batch, max: usize, access: Access) -> usize {
-        batch.clear();
+        batch.start(&self.mem);
         if self.broken || max == 0 {
             return 0;
         }
@@ -492,12 +250,9 @@ impl SplitQueue {
         while done < n {
             let g = (n - done).min(GROUP);
             for (k, h) in heads[..g].iter_mut().enumerate() {
-                let slot = (self.next_avail.wrapping_add(k as u16) & self.mask) as usize;
-                *h = self.read_u16(self.avail, AVAIL_RING + 2 * slot);
-                if *h < self.cfg.size {
-                    // SAFETY: h < size, so the address is inside the descriptor table.
-                    prefetch(unsafe { self.desc.add(*h as usize * 16) });
-                }
+                *h = self.ring.avail_entry(self.next_avail.wrapping_add(k as u16));
+                // A prefetch never faults: no need to check `h` first.
+                self.ring.desc.prefetch(*h);
             }
             if !self.pop_group(batch, &heads[..g], access) {
                 break;
@@ -523,39 +278,13 @@ impl SplitQueue {
                 return false;
             }
             let seg_start = batch.segs.len();
-            // Fast path: one direct descriptor inside one region (what
-            // network drivers post almost always).
-            let d = Self::read_desc(self.desc, head);
-            if d.flags & (VRING_DESC_F_NEXT | VRING_DESC_F_INDIRECT) == 0 && d.len != 0 {
-                let write = d.flags & VRING_DESC_F_WRITE != 0;
-                let direction_ok = match access {
-                    Access::ReadOnly => !write,
-                    Access::WriteOnly => write,
-                    Access::ReadThenWrite => true,
-                };
-                if direction_ok {
-                    if let Some(addr) = self.mem.translate(d.addr, d.len as u64, &mut self.region_hint) {
-                        prefetch_buffer(addr, write);
-                        batch.segs.push(Seg { addr, len: d.len });
-                        let (n_read, n_write) = if write { (0, 1) } else { (1, 0) };
-                        batch.chains.push(Chain {
-                            head,
-                            seg_start: seg_start as u32,
-                            n_read,
-                            n_write,
-                            read_len: if write { 0 } else { d.len },
-                            write_len: if write { d.len } else { 0 },
-                        });
-                        self.stats.fast_chains += 1;
-                        continue;
-                    }
-                }
+            let d = Desc::read(&self.ring.desc, head);
+            if take_single(batch, &self.mem, &mut self.region_hint, head, d.addr, d.len, d.flags, access) {
+                self.stats.fast_chains += 1;
+                continue;
             }
             match self.parse_chain(head, batch, access) {
-                Ok(mut chain) => {
-                    chain.seg_start = seg_start as u32;
-                    batch.chains.push(chain);
-                }
+                Ok(chain) => batch.chains.push(chain),
                 Err(_) if !batch.chains.is_empty() => {
                     // End the batch before a bad chain so that good chains
                     // stay contiguous at its end; the next batch starts with
@@ -577,10 +306,8 @@ impl SplitQueue {
 
     /// Walks one chain from `head`, appending its segments to `batch.segs`.
     fn parse_chain(&mut self, head: u16, batch: &mut Batch, access: Access) -> Result<Chain, ChainError> {
-        let mut chain = Chain { head, ..Chain::default() };
-        let (mut read_len, mut write_len) = (0u64, 0u64);
-        let mut table = self.desc;
-        let mut table_len = self.cfg.size;
+        let mut walk = ChainWalk::new(batch);
+        let mut table = self.ring.desc;
         let mut in_indirect = false;
         let mut idx = head;
         let mut budget = self.cfg.size as u32;
@@ -589,69 +316,28 @@ impl SplitQueue {
                 return Err(ChainError::TooLong);
             }
             budget -= 1;
-            let d = Self::read_desc(table, idx);
+            let d = Desc::read(&table, idx);
             if d.flags & VRING_DESC_F_INDIRECT != 0 {
-                if !self.indirect || in_indirect || d.flags & VRING_DESC_F_NEXT != 0 {
-                    return Err(ChainError::BadIndirect);
-                }
-                if d.len == 0 || !d.len.is_multiple_of(16) || d.len / 16 > MAX_QUEUE_SIZE as u32 {
-                    return Err(ChainError::BadIndirect);
-                }
+                check_indirect(self.indirect, in_indirect, d.flags, d.addr, d.len)?;
                 // An indirect table must be contiguous in host memory.
-                let t =
-                    self.mem.translate(d.addr, d.len as u64, &mut self.region_hint).ok_or(ChainError::BadAddress)?;
-                if !d.addr.is_multiple_of(16) {
-                    // read_desc copes with any alignment (read_desc_words),
-                    // but the spec requires 16-byte alignment; refuse sloppiness.
-                    return Err(ChainError::BadIndirect);
-                }
-                table = t;
-                table_len = (d.len / 16) as u16;
+                table = DescTable::indirect(&self.mem, d.addr, d.len, &mut self.region_hint)
+                    .ok_or(ChainError::BadAddress)?;
                 in_indirect = true;
-                budget = table_len as u32;
+                budget = table.len() as u32;
                 idx = 0;
                 continue;
             }
             let write = d.flags & VRING_DESC_F_WRITE != 0;
-            match (access, write) {
-                (Access::ReadOnly, true) | (Access::WriteOnly, false) => return Err(ChainError::WrongDirection),
-                // Readable after writable breaks the spec's ordering rule.
-                (Access::ReadThenWrite, false) if chain.n_write > 0 => return Err(ChainError::WrongDirection),
-                _ => {}
-            }
-            if d.len > 0 {
-                let mem = &*self.mem;
-                let segs = &mut batch.segs;
-                let mut pieces = 0u16;
-                let ok = mem.for_each_piece(d.addr, d.len as u64, &mut self.region_hint, |p, n| {
-                    segs.push(Seg { addr: p, len: n as u32 });
-                    pieces += 1;
-                });
-                if !ok {
-                    return Err(ChainError::BadAddress);
-                }
-                if write {
-                    chain.n_write = chain.n_write.checked_add(pieces).ok_or(ChainError::TooLong)?;
-                    write_len += d.len as u64;
-                } else {
-                    chain.n_read = chain.n_read.checked_add(pieces).ok_or(ChainError::TooLong)?;
-                    read_len += d.len as u64;
-                }
-            }
+            walk.add(batch, &self.mem, &mut self.region_hint, d.addr, d.len, write, access)?;
             if d.flags & VRING_DESC_F_NEXT == 0 {
                 break;
             }
-            if d.next >= table_len {
+            if d.next >= table.len() {
                 return Err(ChainError::IndexOutOfRange);
             }
             idx = d.next;
         }
-        if read_len > u32::MAX as u64 || write_len > u32::MAX as u64 {
-            return Err(ChainError::TooBig);
-        }
-        chain.read_len = read_len as u32;
-        chain.write_len = write_len as u32;
-        Ok(chain)
+        walk.finish(head)
     }
 
     /// Gives back the last `n` chains of the last `pop_batch` unprocessed
@@ -664,16 +350,7 @@ impl SplitQueue {
     /// Writes one used element; invisible to the driver until `publish_used`.
     #[inline]
     pub fn add_used(&mut self, head: u16, len: u32) {
-        let slot = (self.next_used & self.mask) as usize;
-        let elem = (head as u64) | ((len as u64) << 32);
-        // SAFETY: slot < size and the used ring was translated with room for
-        // `size` 8-byte elements after its 4-byte header; 4-byte alignment of
-        // the ring makes the element 4-aligned, so write it as two u32s.
-        unsafe {
-            let p = self.used.add(USED_RING + 8 * slot) as *mut u32;
-            std::ptr::write_volatile(p, (elem as u32).to_le());
-            std::ptr::write_volatile(p.add(1), ((elem >> 32) as u32).to_le());
-        }
+        self.ring.set_used_elem(self.next_used, head, len);
         self.next_used = self.next_used.wrapping_add(1);
     }
 
@@ -710,7 +387,7 @@ impl SplitQueue {
     pub fn publish_used(&mut self) {
         // Used elements must be visible before the index that publishes them.
         fence(Ordering::Release);
-        self.write_u16(self.used, USED_IDX, self.next_used);
+        self.ring.set_used_idx(self.next_used);
         self.published_used = self.next_used;
         self.stats.used_publishes += 1;
     }
@@ -740,10 +417,10 @@ impl SplitQueue {
         // suppression state, or both sides may decide to sleep.
         fence(Ordering::SeqCst);
         if self.event_idx {
-            let used_event = self.read_u16(self.avail, AVAIL_RING + 2 * self.cfg.size as usize);
+            let used_event = self.ring.used_event();
             !valid || need_event(used_event, new, old)
         } else {
-            self.read_u16(self.avail, AVAIL_FLAGS) & VRING_AVAIL_F_NO_INTERRUPT == 0
+            self.ring.avail_flags() & VRING_AVAIL_F_NO_INTERRUPT == 0
         }
     }
 
@@ -754,7 +431,7 @@ impl SplitQueue {
         }
         self.notifications_disabled = true;
         if !self.event_idx {
-            self.write_u16(self.used, USED_FLAGS, VRING_USED_F_NO_NOTIFY);
+            self.ring.set_used_flags(VRING_USED_F_NO_NOTIFY);
         }
         // With EVENT_IDX, leaving avail_event behind suppresses kicks.
     }
@@ -764,101 +441,13 @@ impl SplitQueue {
     pub fn enable_notifications(&mut self) -> bool {
         self.notifications_disabled = false;
         if self.event_idx {
-            let off = USED_RING + 8 * self.cfg.size as usize;
-            self.write_u16(self.used, off, self.next_avail);
+            self.ring.set_avail_event(self.next_avail);
         } else {
-            self.write_u16(self.used, USED_FLAGS, 0);
+            self.ring.set_used_flags(0);
         }
         // The driver must see our request before we re-check the ring.
         fence(Ordering::SeqCst);
         // A broken ring has nothing more to give: sleep on it.
-        !self.broken && self.avail_idx() != self.next_avail
+        !self.broken && self.ring.avail_idx() != self.next_avail
     }
-}
-
-/// Hints the CPU to fetch the cache line at `p` (no effect on correctness).
-#[inline(always)]
-pub fn prefetch(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch never faults, whatever the address; SSE is baseline on x86_64.
-    #[allow(unused_unsafe)]
-    unsafe {
-        core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// Hints the CPU to fetch the cache line at `p` for writing.
-#[inline(always)]
-pub fn prefetch_write(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetchw never faults and changes no architectural state;
-    // CPUs without PRFCHW execute it as a no-op.
-    unsafe {
-        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly))
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// Starts fetching the first line of a buffer just popped, for writing if
-/// the device will write it: the driver touched it last, so the line is in
-/// the other core's cache, and fetching it while the rest of the batch is
-/// popped overlaps those misses instead of paying them one by one at the
-/// first copy (the single largest cost of the RX pass in `perf`).
-#[inline(always)]
-pub fn prefetch_buffer(p: *const u8, write: bool) {
-    if write {
-        prefetch_write(p)
-    } else {
-        prefetch(p)
-    }
-}
-
-/// Copies `src` into the segments starting `skip` bytes in; returns bytes copied.
-#[inline]
-pub fn copy_to_segs(segs: &[Seg], mut skip: usize, mut src: &[u8]) -> usize {
-    let mut copied = 0;
-    for s in segs {
-        let len = s.len as usize;
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        let n = (len - skip).min(src.len());
-        // SAFETY: the segment is guest memory translated with its length;
-        // skip + n <= len. The guest may write concurrently; a byte copy of
-        // shared memory is what every virtio device does.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), s.addr.add(skip), n) };
-        src = &src[n..];
-        copied += n;
-        skip = 0;
-        if src.is_empty() {
-            break;
-        }
-    }
-    copied
-}
-
-/// Copies from the segments, starting `skip` bytes in, into `dst`; returns bytes copied.
-#[inline]
-pub fn copy_from_segs(segs: &[Seg], mut skip: usize, dst: &mut [u8]) -> usize {
-    let mut copied = 0;
-    for s in segs {
-        let len = s.len as usize;
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        let n = (len - skip).min(dst.len() - copied);
-        // SAFETY: as copy_to_segs; dst has room for n more bytes.
-        unsafe { std::ptr::copy_nonoverlapping(s.addr.add(skip), dst.as_mut_ptr().add(copied), n) };
-        copied += n;
-        skip = 0;
-        if copied == dst.len() {
-            break;
-        }
-    }
-    copied
 }

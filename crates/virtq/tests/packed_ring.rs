@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use virtq::ring::*;
-use virtq::{Access, AddrSpace, Batch, GuestMemory, Mapping, PackedConfig, PackedQueue, Region, SetupError};
+use virtq::{Access, Batch, GuestMemory, Mapping, PackedConfig, PackedQueue, Region, SetupError};
 use virtq_driver::{Buf, DriverError, DriverMemory, PackedDriver, RingLayout, SharedMemory};
 
 const MEM: u64 = 1 << 20;
@@ -30,8 +30,8 @@ struct Ring {
 impl Ring {
     fn new(size: u16) -> Ring {
         let file = virtq_driver::memfd("packed-ring-test", MEM, true).unwrap();
-        let map = Mapping::map(&file, 0, MEM).unwrap();
-        let region = Region::new(0, MEM, 0x7f00_0000_0000, map.clone(), 0).unwrap();
+        let map = Arc::new(Mapping::map(&file, 0, MEM).unwrap());
+        let region = Region::new(0, MEM, map.clone(), 0).unwrap();
         let mem = Arc::new(GuestMemory::from_regions(vec![region]).unwrap());
         let shared = Arc::new(SharedMemory::map(&file, 0, MEM).unwrap());
         Ring { map, mem, shared, layout: RingLayout::packed_at(RING, size) }
@@ -42,25 +42,26 @@ impl Ring {
         DriverMemory::new(self.shared.clone(), 0)
     }
 
-    fn host(&self, gpa: u64) -> *mut u8 {
+    /// Where guest-physical `gpa` lies in this process (a number).
+    fn host(&self, gpa: u64) -> usize {
         assert!(gpa < MEM);
-        // SAFETY: gpa < MEM, the mapping's length.
-        unsafe { self.map.as_ptr().add(gpa as usize) }
+        self.map.host_range().0 + gpa as usize
     }
 
     fn w16(&self, gpa: u64, v: u16) {
-        // SAFETY: inside the mapping (host asserts); unaligned access is fine.
-        unsafe { std::ptr::write_unaligned(self.host(gpa) as *mut u16, v.to_le()) }
+        assert!(self.mem.write(gpa, &v.to_le_bytes()));
     }
 
     fn r16(&self, gpa: u64) -> u16 {
-        // SAFETY: as w16.
-        u16::from_le(unsafe { std::ptr::read_unaligned(self.host(gpa) as *const u16) })
+        let mut b = [0u8; 2];
+        assert!(self.mem.read(gpa, &mut b));
+        u16::from_le_bytes(b)
     }
 
     fn r32(&self, gpa: u64) -> u32 {
-        // SAFETY: as w16.
-        u32::from_le(unsafe { std::ptr::read_unaligned(self.host(gpa) as *const u32) })
+        let mut b = [0u8; 4];
+        assert!(self.mem.read(gpa, &mut b));
+        u32::from_le_bytes(b)
     }
 
     /// Writes a descriptor at `gpa` (ring slot or indirect table entry).
@@ -70,8 +71,7 @@ impl Ring {
         b[8..12].copy_from_slice(&len.to_le_bytes());
         b[12..14].copy_from_slice(&id.to_le_bytes());
         b[14..16].copy_from_slice(&flags.to_le_bytes());
-        // SAFETY: 16 bytes inside the mapping.
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.host(gpa), 16) };
+        assert!(self.mem.write(gpa, &b));
     }
 
     /// Makes ring slot `slot` available in lap `wrap` with extra `flags`.
@@ -115,7 +115,7 @@ impl Ring {
 
     fn device_with(&self, features: u64) -> PackedQueue {
         let cfg = PackedConfig { features, ..self.config(PACKED_BASE) };
-        PackedQueue::new(self.mem.clone(), cfg, AddrSpace::GuestPhysical).unwrap()
+        PackedQueue::new(self.mem.clone(), cfg).unwrap()
     }
 }
 
@@ -136,8 +136,8 @@ fn single_descriptors_pop_in_order_and_used_ones_appear_at_once_on_publish() {
     assert_eq!(q.pop_batch(&mut b, 32, Access::WriteOnly), 3);
     let heads: Vec<u16> = b.chains.iter().map(|c| c.head).collect();
     assert_eq!(heads, [40, 41, 42], "the head is the buffer id");
-    assert_eq!(b.writable(&b.chains[1])[0].len, 101);
-    assert_eq!(b.writable(&b.chains[1])[0].addr, r.host(buf(1)));
+    assert_eq!(b.writable(&b.chains[1]).segs()[0].len(), 101);
+    assert_eq!(b.writable(&b.chains[1]).segs()[0].host_addr(), r.host(buf(1)));
     for (k, c) in b.chains.clone().iter().enumerate() {
         q.add_used(c.head, 10 * k as u32);
     }
@@ -167,7 +167,7 @@ fn chains_take_several_slots_and_the_used_descriptor_skips_them() {
     assert_eq!(q.pop_batch(&mut b, 32, Access::ReadThenWrite), 2);
     let c = b.chains[0];
     assert_eq!((c.head, c.read_len, c.write_len), (7, 30, 30));
-    assert_eq!(b.readable(&c).len(), 2);
+    assert_eq!(b.readable(&c).segs().len(), 2);
     assert_eq!(b.chains[1].head, 8);
     q.add_used(7, 30);
     q.add_used(8, 0);
@@ -461,7 +461,7 @@ fn device_event_suppression_asks_for_kicks_and_rechecks() {
 #[test]
 fn set_up_refuses_bad_rings_and_reads_the_base() {
     let r = Ring::new(8);
-    let mk = |cfg: PackedConfig| PackedQueue::new(r.mem.clone(), cfg, AddrSpace::GuestPhysical).err();
+    let mk = |cfg: PackedConfig| PackedQueue::new(r.mem.clone(), cfg).err();
     let c = r.config(PACKED_BASE);
     assert_eq!(mk(PackedConfig { size: 0, ..c }), Some(SetupError::BadSize));
     assert_eq!(mk(PackedConfig { size: 32769, ..c }), Some(SetupError::BadSize));
@@ -474,14 +474,9 @@ fn set_up_refuses_bad_rings_and_reads_the_base() {
     assert_eq!(mk(PackedConfig { base: 8 | 0x8000, ..c }), Some(SetupError::BadBase));
     assert_eq!(mk(PackedConfig { base: 0x8000 | (9 << 16), ..c }), Some(SetupError::BadBase));
     // Upper half zero: used position = avail position.
-    let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5, ..c }, AddrSpace::GuestPhysical).unwrap();
+    let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5, ..c }).unwrap();
     assert_eq!(q.vring_base(), 5 | (5 << 16));
-    let q = PackedQueue::new(
-        r.mem.clone(),
-        PackedConfig { base: 5 | 0x8000 | (3 << 16) | (1 << 31), ..c },
-        AddrSpace::GuestPhysical,
-    )
-    .unwrap();
+    let q = PackedQueue::new(r.mem.clone(), PackedConfig { base: 5 | 0x8000 | (3 << 16) | (1 << 31), ..c }).unwrap();
     assert_eq!(q.vring_base(), 5 | 0x8000 | ((3 | 0x8000) << 16));
     // Used ahead of avail (avail in the second lap, used still in the
     // first, more than a ring apart): no driver can be there.
@@ -498,9 +493,7 @@ fn run_driver_against_device(size: u16, ops: &[(u8, u8, bool, u8)], in_order: bo
     let dmem = r.driver_memory();
     let mut drv = PackedDriver::new(dmem, r.layout, features).unwrap();
     drv.set_indirect_pool(0x20000, 4).unwrap();
-    let mut q =
-        PackedQueue::new(r.mem.clone(), PackedConfig { features, ..r.config(PACKED_BASE) }, AddrSpace::GuestPhysical)
-            .unwrap();
+    let mut q = PackedQueue::new(r.mem.clone(), PackedConfig { features, ..r.config(PACKED_BASE) }).unwrap();
     let mut b = Batch::new();
     let mut expect = std::collections::VecDeque::new();
     let mut token = 0u64;
@@ -577,9 +570,9 @@ proptest! {
             let before = q.stats.chains + q.stats.bad_chains;
             let n = q.pop_batch(&mut b, 64, access);
             for c in &b.chains {
-                for s in b.readable(c).iter().chain(b.writable(c)) {
-                    let (p, base) = (s.addr as u64, r.map.as_ptr() as u64);
-                    prop_assert!(p >= base && p + s.len as u64 <= base + MEM);
+                for s in b.readable(c).segs().iter().chain(b.writable(c).segs()) {
+                    let (p, base) = (s.host_addr() as u64, r.map.host_range().0 as u64);
+                    prop_assert!(p >= base && p + s.len() as u64 <= base + MEM);
                 }
             }
             let heads: Vec<u16> = b.chains.iter().map(|c| c.head).collect();
@@ -652,7 +645,7 @@ fn four_simple_descriptors_are_taken_together_and_anything_else_falls_back() {
     assert_eq!(q.stats.batch4, 1, "slots 0-3 as one group; 4-7 fell back");
     let heads: Vec<u16> = b.chains.iter().map(|c| c.head).collect();
     assert_eq!(heads, [100, 101, 102, 103, 104, 105]);
-    assert_eq!(b.writable(&b.chains[2])[0].addr, r.host(buf(2)));
+    assert_eq!(b.writable(&b.chains[2]).segs()[0].host_addr(), r.host(buf(2)));
     for c in b.chains.clone() {
         q.add_used(c.head, 64);
     }
@@ -662,7 +655,7 @@ fn four_simple_descriptors_are_taken_together_and_anything_else_falls_back() {
     assert_eq!(q.stats.batch4, 2);
     let heads: Vec<u16> = b.chains.iter().map(|c| c.head).collect();
     assert_eq!(heads, [107, 108, 109, 110, 111, 113]);
-    assert_eq!(b.writable(&b.chains[5]).len(), 2);
+    assert_eq!(b.writable(&b.chains[5]).segs().len(), 2);
     // Read-only access on a writable group: no group, and each is refused.
     let r = Ring::new(8);
     let mut q = r.device();

@@ -59,7 +59,7 @@ proptest! {
         let heads = &heads[..heads.len().min(size as usize)];
         r.publish(heads);
         let access = [Access::ReadOnly, Access::WriteOnly, Access::ReadThenWrite][access as usize];
-        let lo = r.map.as_ptr() as u64;
+        let lo = r.base();
         let hi = lo + MEM;
         let mut b = Batch::new();
         let mut returned = 0u64;
@@ -72,12 +72,13 @@ proptest! {
             }
             for c in &b.chains {
                 let (rd, wr) = (b.readable(c), b.writable(c));
-                for s in rd.iter().chain(wr) {
-                    prop_assert!(s.len > 0);
-                    prop_assert!(s.addr as u64 >= lo && s.addr as u64 + s.len as u64 <= hi, "segment outside memory");
+                for s in rd.segs().iter().chain(wr.segs()) {
+                    let p = s.host_addr() as u64;
+                    prop_assert!(!s.is_empty());
+                    prop_assert!(p >= lo && p + s.len() as u64 <= hi, "segment outside memory");
                 }
-                prop_assert_eq!(rd.iter().map(|s| s.len as u64).sum::<u64>(), c.read_len as u64);
-                prop_assert_eq!(wr.iter().map(|s| s.len as u64).sum::<u64>(), c.write_len as u64);
+                prop_assert_eq!(rd.bytes() as u64, c.read_len as u64);
+                prop_assert_eq!(wr.bytes() as u64, c.write_len as u64);
                 match access {
                     Access::ReadOnly => prop_assert_eq!(c.write_len, 0),
                     Access::WriteOnly => prop_assert_eq!(c.read_len, 0),
@@ -157,9 +158,10 @@ proptest! {
             for c in &b.chains {
                 let segs: Vec<(u64, u32, bool)> = b
                     .readable(c)
+                    .segs()
                     .iter()
-                    .map(|s| (r.gpa_of(s.addr), s.len, false))
-                    .chain(b.writable(c).iter().map(|s| (r.gpa_of(s.addr), s.len, true)))
+                    .map(|s| (r.gpa_of(s.host_addr()), s.len(), false))
+                    .chain(b.writable(c).segs().iter().map(|s| (r.gpa_of(s.host_addr()), s.len(), true)))
                     .collect();
                 got.push((c.head, segs));
             }

@@ -5,7 +5,7 @@
 mod support;
 
 use support::*;
-use virtq::{Access, AddrSpace, Batch, SetupError, SplitQueue};
+use virtq::{Access, Batch, SetupError, SplitQueue};
 
 type Popped = Vec<(u16, Vec<(u64, u32)>, Vec<(u64, u32)>)>;
 
@@ -17,8 +17,8 @@ fn pop(q: &mut SplitQueue, max: usize, access: Access) -> (Batch, Popped) {
     let out = chains
         .iter()
         .map(|c| {
-            let r = b.readable(c).iter().map(|s| (s.addr as u64, s.len)).collect();
-            let w = b.writable(c).iter().map(|s| (s.addr as u64, s.len)).collect();
+            let r = b.readable(c).segs().iter().map(|s| (s.host_addr() as u64, s.len())).collect();
+            let w = b.writable(c).segs().iter().map(|s| (s.host_addr() as u64, s.len())).collect();
             (c.head, r, w)
         })
         .collect();
@@ -26,7 +26,7 @@ fn pop(q: &mut SplitQueue, max: usize, access: Access) -> (Batch, Popped) {
 }
 
 fn h(r: &Ring, gpa: u64) -> u64 {
-    r.host(gpa) as u64
+    r.host(gpa)
 }
 
 #[test]
@@ -77,12 +77,12 @@ fn a_buffer_crossing_regions_becomes_two_pieces() {
     r.publish(&[0]);
     let mut b = Batch::new();
     assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 1);
-    let segs = b.readable(&b.chains[0]);
+    let segs = b.readable(&b.chains[0]).segs();
     assert_eq!(segs.len(), 2);
-    let base = r.map.as_ptr() as u64;
+    let base = r.base();
     // [0, half) is the mapping's second half; [half, MEM) its first.
-    assert_eq!((segs[0].addr as u64 - base, segs[0].len), (half + half - 10, 10));
-    assert_eq!((segs[1].addr as u64 - base, segs[1].len), (0, 20));
+    assert_eq!((segs[0].host_addr() as u64 - base, segs[0].len()), (half + half - 10, 10));
+    assert_eq!((segs[1].host_addr() as u64 - base, segs[1].len()), (0, 20));
     assert_eq!(b.chains[0].read_len, 30);
 }
 
@@ -436,7 +436,7 @@ fn kick_suppression_with_event_idx_writes_avail_event() {
 #[test]
 fn ring_set_up_refuses_bad_rings() {
     let r = Ring::new(8);
-    let new = |cfg| SplitQueue::new(r.mem.clone(), cfg, AddrSpace::GuestPhysical).err();
+    let new = |cfg| SplitQueue::new(r.mem.clone(), cfg).err();
     let mut c = r.config(ALL, 0);
     c.size = 0;
     assert_eq!(new(c), Some(SetupError::BadSize));
@@ -454,8 +454,6 @@ fn ring_set_up_refuses_bad_rings() {
     let mut c = r.config(ALL, 0);
     c.used = c.avail;
     assert_eq!(new(c), Some(SetupError::Overlap));
-    // Frontend-virtual addresses are a different space.
-    assert!(SplitQueue::new(r.mem.clone(), r.config(ALL, 0), AddrSpace::FrontendVirtual).is_err());
 }
 
 #[test]

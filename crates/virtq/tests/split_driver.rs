@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use virtq::ring::features;
-use virtq::{Access, AddrSpace, Batch, GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
+use virtq::{Access, Batch, GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
 use virtq_driver::{Buf, DriverMemory, RingLayout, SharedMemory, SplitDriver, Used};
 
 const GPA: u64 = 0x10_0000;
@@ -15,8 +15,8 @@ const MEM: u64 = 1 << 20;
 #[test]
 fn round_trip_with_device_side() {
     let file = virtq_driver::memfd("split-driver-test", MEM, true).unwrap();
-    let m = Mapping::map(&file, 0, MEM).unwrap();
-    let gm = GuestMemory::from_regions(vec![Region::new(GPA, MEM, 0x7000_0000, m, 0).unwrap()]).unwrap();
+    let m = Arc::new(Mapping::map(&file, 0, MEM).unwrap());
+    let gm = GuestMemory::from_regions(vec![Region::new(GPA, MEM, m, 0).unwrap()]).unwrap();
     let shared = Arc::new(SharedMemory::map(&file, 0, MEM).unwrap());
     let feats = features::EVENT_IDX | features::INDIRECT_DESC;
     let layout = RingLayout::at(GPA, 16);
@@ -30,7 +30,7 @@ fn round_trip_with_device_side() {
         features: feats,
         next_avail: 0,
     };
-    let mut dev = SplitQueue::new(Arc::new(gm), cfg, AddrSpace::GuestPhysical).unwrap();
+    let mut dev = SplitQueue::new(Arc::new(gm), cfg).unwrap();
     let mut batch = Batch::new();
     let mut out = [Used::default(); 16];
     for round in 0..5000u64 {

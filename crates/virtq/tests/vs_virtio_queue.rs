@@ -127,9 +127,10 @@ proptest! {
                 let c = &b.chains[0];
                 let descs = b
                     .readable(c)
+                    .segs()
                     .iter()
-                    .map(|s| (r.gpa_of(s.addr), s.len, false))
-                    .chain(b.writable(c).iter().map(|s| (r.gpa_of(s.addr), s.len, true)))
+                    .map(|s| (r.gpa_of(s.host_addr()), s.len(), false))
+                    .chain(b.writable(c).segs().iter().map(|s| (r.gpa_of(s.host_addr()), s.len(), true)))
                     .collect();
                 ours.push(Some((c.head, descs)));
             } else {
@@ -139,9 +140,9 @@ proptest! {
 
         // virtio-queue over a copy of the same bytes.
         let gm = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap();
-        // SAFETY: reading our own mapping of MEM bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(r.map.as_ptr(), MEM as usize) };
-        gm.write_slice(bytes, GuestAddress(0)).unwrap();
+        let mut bytes = vec![0u8; MEM as usize];
+        assert!(r.mem.read(0, &mut bytes));
+        gm.write_slice(&bytes, GuestAddress(0)).unwrap();
         let mut vq = Queue::new(size).unwrap();
         vq.set_size(size);
         let (l, h) = split_hi_lo(r.layout.desc);

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 use virtq::ring::*;
-use virtq::{AddrSpace, GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
+use virtq::{GuestMemory, Mapping, Region, SplitConfig, SplitQueue};
 use virtq_driver::RingLayout;
 
 pub const MEM: u64 = 1 << 20;
@@ -22,8 +22,8 @@ pub struct Ring {
 impl Ring {
     /// A ring of `size` entries at gpa 0x1000, in one 1 MiB region.
     pub fn new(size: u16) -> Ring {
-        let map = Mapping::anonymous(MEM as usize).unwrap();
-        let region = Region::new(0, MEM, 0x7f00_0000_0000, map.clone(), 0).unwrap();
+        let map = Arc::new(Mapping::anonymous(MEM as usize).unwrap());
+        let region = Region::new(0, MEM, map.clone(), 0).unwrap();
         let mem = Arc::new(GuestMemory::from_regions(vec![region]).unwrap());
         Ring { map, mem, layout: RingLayout::at(0x1000, size), avail_idx: 0 }
     }
@@ -32,34 +32,42 @@ impl Ring {
     /// but not in the mapping: [0, MEM/2) maps to the second half, [MEM/2, MEM)
     /// to the first, so a buffer crossing MEM/2 becomes two host pieces.
     pub fn new_two_regions(size: u16) -> Ring {
-        let map = Mapping::anonymous(MEM as usize).unwrap();
+        let map = Arc::new(Mapping::anonymous(MEM as usize).unwrap());
         let half = MEM / 2;
-        let a = Region::new(0, half, 0x7f00_0000_0000, map.clone(), half).unwrap();
-        let b = Region::new(half, half, 0x7e00_0000_0000, map.clone(), 0).unwrap();
+        let a = Region::new(0, half, map.clone(), half).unwrap();
+        let b = Region::new(half, half, map.clone(), 0).unwrap();
         let mem = Arc::new(GuestMemory::from_regions(vec![a, b]).unwrap());
         Ring { map, mem, layout: RingLayout::at(0x1000, size), avail_idx: 0 }
     }
 
-    /// Host address of guest-physical `gpa`, through the memory table.
-    pub fn host(&self, gpa: u64) -> *mut u8 {
-        self.mem.translate(gpa, 1, &mut 0).expect("test address inside guest memory")
+    /// Where guest-physical `gpa` lies in this process, through the memory table.
+    pub fn host(&self, gpa: u64) -> u64 {
+        self.mem.host_addr(gpa).expect("test address inside guest memory") as u64
     }
 
-    pub fn gpa_of(&self, p: *mut u8) -> u64 {
-        p as u64 - self.map.as_ptr() as u64
+    /// The mapping offset of a host address (the guest-physical address in
+    /// one-region memory).
+    pub fn gpa_of(&self, host: usize) -> u64 {
+        (host - self.map.host_range().0) as u64
+    }
+
+    /// Where the mapping starts in this process.
+    pub fn base(&self) -> u64 {
+        self.map.host_range().0 as u64
     }
 
     fn w16(&self, gpa: u64, v: u16) {
-        // SAFETY: test addresses are inside the mapping; unaligned write is fine.
-        unsafe { std::ptr::write_unaligned(self.host(gpa) as *mut u16, v.to_le()) }
+        assert!(self.mem.write(gpa, &v.to_le_bytes()));
     }
     fn r16(&self, gpa: u64) -> u16 {
-        // SAFETY: as w16.
-        u16::from_le(unsafe { std::ptr::read_unaligned(self.host(gpa) as *const u16) })
+        let mut b = [0u8; 2];
+        assert!(self.mem.read(gpa, &mut b));
+        u16::from_le_bytes(b)
     }
     fn r32(&self, gpa: u64) -> u32 {
-        // SAFETY: as w16.
-        u32::from_le(unsafe { std::ptr::read_unaligned(self.host(gpa) as *const u32) })
+        let mut b = [0u8; 4];
+        assert!(self.mem.read(gpa, &mut b));
+        u32::from_le_bytes(b)
     }
 
     /// Writes descriptor `i` of the table at `table` (gpa).
@@ -69,9 +77,7 @@ impl Ring {
         b[8..12].copy_from_slice(&len.to_le_bytes());
         b[12..14].copy_from_slice(&flags.to_le_bytes());
         b[14..16].copy_from_slice(&next.to_le_bytes());
-        let p = self.host(table + 16 * i as u64);
-        // SAFETY: 16 bytes inside the mapping.
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), p, 16) };
+        assert!(self.mem.write(table + 16 * i as u64, &b));
     }
 
     /// Writes descriptor `i` of the ring's own table.
@@ -136,8 +142,7 @@ impl Ring {
 
     /// The device side over this ring.
     pub fn device(&self, features: u64) -> SplitQueue {
-        SplitQueue::new(self.mem.clone(), self.config(features, self.avail_idx), AddrSpace::GuestPhysical)
-            .expect("ring set-up")
+        SplitQueue::new(self.mem.clone(), self.config(features, self.avail_idx)).expect("ring set-up")
     }
 }
 

@@ -1,0 +1,228 @@
+//! Guest memory as vhost-user hands it over: regions of files the frontend
+//! shares, addressed three ways (guest-physical, the frontend's own virtual
+//! addresses, where ring addresses are given, and an offset into the file).
+//! The memory table itself (virtq's `GuestMemory`) knows only guest-physical
+//! addresses; this module keeps the frontend-virtual side and survives a
+//! frontend that truncates a file under its mapping.
+
+use std::fs::File;
+use std::io;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use virtq::{Mapping, Region};
+
+/// One region as the frontend described it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FrontendRegion {
+    /// Guest-physical start.
+    pub gpa: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// The frontend's virtual address of the start.
+    pub uaddr: u64,
+}
+
+/// The frontend-virtual view of the memory table.
+#[derive(Clone, Debug, Default)]
+pub struct FrontendAddrs {
+    regions: Vec<FrontendRegion>,
+}
+
+/// Why a region was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum AddrError {
+    /// It overlaps another region in the frontend's address space.
+    Overlap,
+    /// It is not in the table.
+    NoSuchRegion,
+}
+
+impl FrontendAddrs {
+    /// The regions.
+    pub fn regions(&self) -> &[FrontendRegion] {
+        &self.regions
+    }
+
+    /// A copy with one more region, refused if it overlaps one in the
+    /// frontend's address space (guest-physical overlaps are the memory
+    /// table's to refuse).
+    pub fn with(&self, r: FrontendRegion) -> Result<FrontendAddrs, AddrError> {
+        let end = |x: &FrontendRegion| x.uaddr.saturating_add(x.size);
+        if self.regions.iter().any(|o| o.uaddr < end(&r) && r.uaddr < end(o)) {
+            return Err(AddrError::Overlap);
+        }
+        let mut regions = self.regions.clone();
+        regions.push(r);
+        Ok(FrontendAddrs { regions })
+    }
+
+    /// A copy without the region at guest-physical `gpa` of `size` bytes.
+    pub fn without(&self, gpa: u64, size: u64) -> Result<FrontendAddrs, AddrError> {
+        let pos = self.regions.iter().position(|r| r.gpa == gpa && r.size == size).ok_or(AddrError::NoSuchRegion)?;
+        let mut regions = self.regions.clone();
+        regions.remove(pos);
+        Ok(FrontendAddrs { regions })
+    }
+
+    /// The guest-physical address of frontend address `uaddr`, if a region
+    /// holds it. (Whether a whole ring fits is the ring set-up's check, on
+    /// the guest-physical side.)
+    pub fn to_gpa(&self, uaddr: u64) -> Option<u64> {
+        self.regions.iter().find_map(|r| {
+            let off = uaddr.wrapping_sub(r.uaddr);
+            (off < r.size).then(|| r.gpa + off)
+        })
+    }
+}
+
+/// Maps a region the frontend sent: `size` bytes of `file` from `offset`,
+/// at guest-physical `gpa`. The mapping is registered with the SIGBUS
+/// handler for as long as it lives.
+pub fn map_region(file: &File, gpa: u64, size: u64, offset: u64) -> io::Result<Region> {
+    // Map from the page holding the region start; offsets that are not
+    // page aligned are mapped from the file start as libvhost-user does.
+    let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
+    let len =
+        size.checked_add(skip).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "region size overflows"))?;
+    let mapping = Mapping::map(file, map_off, len)?;
+    let registration = register(mapping.host_range());
+    Region::new(gpa, size, Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip)
+}
+
+// ---- surviving a frontend that truncates its memory ----------------------
+//
+// A file the frontend can still shrink (not sealable: hugetlbfs, a plain
+// file) makes our next access to the lost pages raise SIGBUS. The handler
+// below finds the mapping the fault is in, replaces the whole mapping with
+// private zero pages (so the access, retried, reads zeros: the rings then
+// look broken and the device asks for a reset) and counts it. Faults
+// anywhere else keep their default action.
+
+const SLOTS: usize = 1024;
+static STARTS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+static LENS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+static LOST: AtomicU64 = AtomicU64::new(0);
+
+/// A mapping's place in the handler's table, given up on drop (which the
+/// mapping does just before it unmaps).
+struct Registration(usize);
+
+fn register((addr, len): (usize, usize)) -> Registration {
+    for (s, l) in STARTS.iter().zip(LENS.iter()) {
+        if s.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            l.store(len, Ordering::Release);
+            return Registration(addr);
+        }
+    }
+    // More live mappings than slots: this one is not covered.
+    Registration(0)
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if self.0 == 0 {
+            return;
+        }
+        for (s, l) in STARTS.iter().zip(LENS.iter()) {
+            if s.load(Ordering::Acquire) == self.0 {
+                l.store(0, Ordering::Release);
+                s.store(0, Ordering::Release);
+                return;
+            }
+        }
+    }
+}
+
+/// Mappings replaced by zero pages after their file shrank (since start).
+pub fn lost_mappings() -> u64 {
+    LOST.load(Ordering::Relaxed)
+}
+
+/// Installs the SIGBUS handler (once, early; before threads start).
+pub fn install_sigbus_handler() -> io::Result<()> {
+    // SAFETY: installs an async-signal-safe handler (see on_sigbus); the
+    // sigaction struct is plain data, zeroed then filled.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigbus as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo_t; si_addr is the fault
+    // address for SIGBUS. Only atomics and async-signal-safe calls follow.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    for (s, l) in STARTS.iter().zip(LENS.iter()) {
+        let start = s.load(Ordering::Acquire);
+        let len = l.load(Ordering::Acquire);
+        if start != 0 && len != 0 && addr >= start && addr < start + len {
+            // SAFETY: replaces exactly our own mapping [start, start+len)
+            // with private anonymous memory; nothing else lives there.
+            let r = unsafe {
+                libc::mmap(
+                    start as *mut libc::c_void,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if r != libc::MAP_FAILED {
+                LOST.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            break;
+        }
+    }
+    // Not ours: the default action (the fault repeats on return).
+    // SAFETY: signal(2) is async-signal-safe.
+    unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frontend_addresses_translate_and_overlaps_are_refused() {
+        let a = FrontendRegion { gpa: 0x1000, size: 0x1000, uaddr: 0x7000_0000 };
+        let b = FrontendRegion { gpa: 0x2000, size: 0x1000, uaddr: 0x7100_0000 };
+        let t = FrontendAddrs::default().with(a).unwrap().with(b).unwrap();
+        assert_eq!(t.to_gpa(0x7100_0010), Some(0x2010));
+        assert_eq!(t.to_gpa(0x7000_0fff), Some(0x1fff));
+        assert_eq!(t.to_gpa(0x7000_1000), None);
+        let c = FrontendRegion { gpa: 0x9000, size: 0x1000, uaddr: 0x7000_0800 };
+        assert_eq!(t.with(c).unwrap_err(), AddrError::Overlap);
+        let t2 = t.without(0x1000, 0x1000).unwrap();
+        assert_eq!(t2.to_gpa(0x7000_0010), None);
+        assert_eq!(t2.without(0x1000, 0x1000).unwrap_err(), AddrError::NoSuchRegion);
+    }
+
+    #[test]
+    fn a_mapping_is_registered_while_it_lives() {
+        let f = tempfile();
+        f.set_len(8192).unwrap();
+        let r = map_region(&f, 0, 8192, 0).unwrap();
+        let (start, _) = r.mapping().host_range();
+        let registered = || STARTS.iter().any(|s| s.load(Ordering::Acquire) == start);
+        assert!(registered());
+        drop(r);
+        assert!(!registered(), "unregistered before it is unmapped");
+    }
+
+    fn tempfile() -> File {
+        // SAFETY: memfd_create with a static C name; the fd is checked.
+        let fd = unsafe { libc::memfd_create(c"vhostd-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we own.
+        unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+    }
+}
