@@ -26,14 +26,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, OnceLock};
 use vhostd::cli::{Cli, Command, DeviceArgs};
-use vhostd::config::DeviceSpec;
-use vhostd::server::Endpoint;
-use vhostd::session::Device;
+use vhostd::endpoint::Endpoint;
+use vhostd::session::Served;
 use vhostd_fuzz::Reader;
 
 struct Devices {
-    blk: Arc<Device>,
-    net: Arc<Device>,
+    blk: Arc<Served>,
+    net: Arc<Served>,
     _endpoints: Vec<Endpoint>,
 }
 
@@ -42,7 +41,7 @@ struct Devices {
 unsafe impl Sync for Devices {}
 unsafe impl Send for Devices {}
 
-fn build(kind: &str, extra: &[&str]) -> (Arc<Device>, Endpoint) {
+fn build(kind: &str, extra: &[&str]) -> (Arc<Served>, Endpoint) {
     let path = std::env::temp_dir().join(format!("vhostd-fuzz-{}-{kind}.sock", std::process::id()));
     let mut argv: Vec<String> = vec!["vhostd".into(), kind.into(), "--socket-path".into(), path.display().to_string()];
     argv.extend(extra.iter().map(|s| s.to_string()));
@@ -52,7 +51,7 @@ fn build(kind: &str, extra: &[&str]) -> (Arc<Device>, Endpoint) {
         Some(Command::Blk(a)) => DeviceArgs::Blk(a),
         _ => unreachable!("argv names net or blk"),
     };
-    let spec = DeviceSpec { name: format!("fuzz-{kind}"), args };
+    let spec = args.to_spec(format!("fuzz-{kind}"));
     let (dev, ep) = vhostd::server::build(&spec).expect("build the device");
     // Nobody connects there: the listening socket needs no name.
     let _ = std::fs::remove_file(&path);
@@ -264,11 +263,15 @@ fuzz_target!(|data: &[u8]| {
         for (name, d) in [("blk", &devs.blk), ("net", &devs.net)] {
             for w in &d.workers {
                 let r = w.report();
-                for (i, ring) in r.rings.iter().enumerate() {
-                    if ring.queue.chains + ring.queue.bad_chains + ring.dir.packets + ring.blk.reads + ring.blk.writes
-                        > 0
-                    {
-                        eprintln!("{name} worker {} ring {i}: {:?} {:?} {:?}", r.pair, ring.dir, ring.queue, ring.blk);
+                for g in &r.groups {
+                    for (i, ring) in g.rings.iter().enumerate() {
+                        if ring.queue.chains + ring.queue.bad_chains > 0 {
+                            let c = g.counters.rings.get(i);
+                            eprintln!(
+                                "{name} worker {} group {} ring {i}: {:?} {:?}",
+                                r.worker, g.group, ring.queue, c
+                            );
+                        }
                     }
                 }
             }

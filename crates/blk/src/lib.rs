@@ -18,10 +18,12 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-pub mod inflight;
-pub use inflight::InflightLog;
+pub mod device;
+pub use device::{build, BlkGroup};
+pub use vhostd_device::{inflight, InflightLog};
 
 use vhostd_block_backends::{BlockBackend, Completion, DiskInfo, Op, Request};
+use virtq::ring::MAX_QUEUE_SIZE;
 use virtq::{Access, Batch, GuestBufs, IoBufs, Queue};
 
 /// Request types.
@@ -86,6 +88,8 @@ pub struct BlkDevice {
     /// the config space (CONFIG_WCE), writes are then flushed before they
     /// complete.
     pub writeback: AtomicBool,
+    /// The largest ring a driver may set up.
+    pub max_queue_size: u16,
 }
 
 impl BlkDevice {
@@ -95,11 +99,11 @@ impl BlkDevice {
         let mut id = [0u8; ID_LEN];
         let n = serial.len().min(ID_LEN);
         id[..n].copy_from_slice(&serial.as_bytes()[..n]);
-        BlkDevice { disk, queues, id, writeback: AtomicBool::new(true) }
+        BlkDevice { disk, queues, id, writeback: AtomicBool::new(true), max_queue_size: MAX_QUEUE_SIZE }
     }
 
-    /// Device feature bits (ring features are the caller's).
-    pub fn features(&self) -> u64 {
+    /// virtio-blk feature bits (the ring features are `Device::features`').
+    pub fn blk_features(&self) -> u64 {
         let mut f = features::SIZE_MAX
             | features::SEG_MAX
             | features::BLK_SIZE
@@ -271,6 +275,11 @@ impl BlkQueue {
     /// The backend's counters.
     pub fn backend_stats(&self) -> vhostd_block_backends::BlockStats {
         self.backend.stats()
+    }
+
+    /// The dataplane woke on the completion descriptor: consume the wake-up.
+    pub fn ack_completion_event(&mut self) {
+        self.backend.ack_completion_event();
     }
 
     /// One pass: completes what the backend finished, then pops and starts
@@ -672,9 +681,9 @@ mod tests {
         assert_eq!(dev.config()[32], 0);
         assert!(!dev.set_config(0, &[0]));
         assert!(!dev.set_config(32, &[2]));
-        assert_ne!(dev.features() & features::DISCARD, 0);
+        assert_ne!(dev.blk_features() & features::DISCARD, 0);
         let ro = BlkDevice::new(DiskInfo { read_only: true, ..disk }, 1, "x");
-        assert_eq!(ro.features() & (features::DISCARD | features::WRITE_ZEROES), 0);
-        assert_ne!(ro.features() & features::RO, 0);
+        assert_eq!(ro.blk_features() & (features::DISCARD | features::WRITE_ZEROES), 0);
+        assert_ne!(ro.blk_features() & features::RO, 0);
     }
 }

@@ -112,6 +112,9 @@ pub trait BlockBackend: Send {
     fn completion_fd(&self) -> Option<std::os::unix::io::RawFd> {
         None
     }
+    /// The dataplane woke on `completion_fd`: consume the wake-up (the
+    /// completions themselves come from `reap`).
+    fn ack_completion_event(&mut self) {}
     /// The backend's own counters.
     fn stats(&self) -> BlockStats;
 }

@@ -5,6 +5,9 @@
 //! views (`GuestBufs`), so it holds no `unsafe` code.
 #![forbid(unsafe_code)]
 
+pub mod device;
+pub use device::{build, CtrlGroup, NetDevice, PairGroup};
+
 use vhostd_backends::{NetBackend, Offloads, VNET_HDR_LEN};
 use virtq::{Access, Batch, GuestBufs, Queue};
 

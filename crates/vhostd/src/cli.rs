@@ -1,6 +1,7 @@
 //! The command line. Every value is checked here, so a bad argument exits
 //! with status 2 and a message naming it before anything is set up.
 
+use crate::spec;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use std::path::PathBuf;
 use vhostd_backends::{AfXdpSpec, BackendKind, TapSpec, XdpMode};
@@ -150,6 +151,30 @@ impl DeviceArgs {
         }
     }
 
+    /// The device these options describe, named `name`, in the plain terms
+    /// the builder takes.
+    pub fn to_spec(&self, name: String) -> spec::DeviceSpec {
+        let (endpoint, dataplane) = match self {
+            DeviceArgs::Net(a) => (
+                endpoint(&a.socket_path, a.fd, a.client),
+                dataplane(a.queues, a.queue_size, a.poll, a.mode, a.poll_idle_us, &a.cpus),
+            ),
+            DeviceArgs::Blk(a) => (
+                endpoint(&a.socket_path, a.fd, a.client),
+                dataplane(a.queues, a.queue_size, a.poll, a.mode, a.poll_idle_us, &a.cpus),
+            ),
+        };
+        let device = match self {
+            DeviceArgs::Net(a) => spec::DeviceKind::Net { backend: a.backend_kind(), mac: a.mac.0 },
+            DeviceArgs::Blk(a) => spec::DeviceKind::Blk {
+                backend: a.spec(),
+                serial: a.serial.clone().unwrap_or_else(|| a.default_serial()),
+                option: if a.backend.is_some() { "--backend" } else { "--blk-file" },
+            },
+        };
+        spec::DeviceSpec { name, endpoint, dataplane, device }
+    }
+
     /// Checks across options that clap cannot express.
     pub fn check(&self) -> Result<(), String> {
         match self {
@@ -157,6 +182,31 @@ impl DeviceArgs {
             DeviceArgs::Blk(_) => Ok(()),
         }
     }
+}
+
+fn endpoint(path: &Option<PathBuf>, fd: Option<i32>, client: bool) -> spec::EndpointSpec {
+    match (path, fd) {
+        (Some(p), _) if client => spec::EndpointSpec::Connect(p.clone()),
+        (Some(p), _) => spec::EndpointSpec::Listen(p.clone()),
+        // clap requires one of them.
+        (None, fd) => spec::EndpointSpec::Fd(fd.unwrap_or(-1)),
+    }
+}
+
+fn dataplane(
+    queues: u16,
+    queue_size: u16,
+    poll: bool,
+    mode: WaitMode,
+    idle_us: u64,
+    cpus: &Option<CpuList>,
+) -> spec::DataplaneSpec {
+    let wait = match (poll, mode) {
+        (true, _) | (false, WaitMode::Poll) => spec::WaitSpec::Poll,
+        (false, WaitMode::Interrupt) => spec::WaitSpec::Interrupt,
+        (false, WaitMode::Adaptive) => spec::WaitSpec::Adaptive { idle: std::time::Duration::from_micros(idle_us) },
+    };
+    spec::DataplaneSpec { queues, queue_size, wait, cpus: cpus.as_ref().map(|c| c.0.clone()) }
 }
 
 /// A net device's checks across options that clap cannot express.
@@ -518,19 +568,6 @@ impl BlkArgs {
                 name.chars().take(20).collect()
             }
             BlockSpec::Null { .. } => "vhostd-null".into(),
-        }
-    }
-
-    /// The backend for the log.
-    pub fn backend_description(&self) -> String {
-        match &self.spec() {
-            BlockSpec::File { path, direct, discard, .. } => format!(
-                "file {}{}{}",
-                path.display(),
-                if *direct { ", O_DIRECT" } else { "" },
-                if *discard { ", discard=on" } else { "" }
-            ),
-            BlockSpec::Null { .. } => "null".into(),
         }
     }
 }

@@ -30,15 +30,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::cli::{self, DeviceArgs, LogFormat};
-
-/// One device of the file.
-#[derive(Debug)]
-pub struct DeviceSpec {
-    /// Its name in logs, stats and metrics.
-    pub name: String,
-    /// Its options, as the command line would give them.
-    pub args: DeviceArgs,
-}
+use crate::spec::DeviceSpec;
 
 /// A whole configuration.
 #[derive(Debug)]
@@ -142,12 +134,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
             if e.name == d.name {
                 return Err(format!("{}: device name `{}` is used twice", at(*off), d.name));
             }
-            if e.args.socket_path() == d.args.socket_path() {
+            if e.endpoint.path().is_some() && e.endpoint.path() == d.endpoint.path() {
                 return Err(format!(
                     "{}: device `{}`: socket-path {} is also device `{}`'s",
                     at(*off),
                     d.name,
-                    d.args.socket_path().map(|p| p.display().to_string()).unwrap_or_default(),
+                    d.endpoint.describe(),
                     e.name
                 ));
             }
@@ -233,7 +225,7 @@ fn device(path: &Path, text: &str, kind: &str, index: usize, table: &Spanned<Tab
     if args.socket_path().is_none() {
         return Err(format!("{file}:{table_line}: [[{kind}]] `{name}`: key `socket-path` is required"));
     }
-    Ok(DeviceSpec { name, args })
+    Ok(args.to_spec(name))
 }
 
 /// Names in stats and metrics labels: short and plain.
@@ -279,8 +271,8 @@ backend = "null,size=1G"
         assert_eq!(c.devices[0].name, "n");
         assert_eq!(c.devices[1].name, "blk0");
         assert_eq!(c.log_format, Some(LogFormat::Json));
-        let DeviceArgs::Net(n) = &c.devices[0].args else { panic!() };
-        assert_eq!((n.queues, n.poll), (2, true));
+        assert_eq!(c.devices[0].device.name(), "net");
+        assert_eq!((c.devices[0].dataplane.queues, c.devices[0].dataplane.wait), (2, crate::spec::WaitSpec::Poll));
     }
 
     #[test]

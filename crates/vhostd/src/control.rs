@@ -10,21 +10,22 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::server::{DeviceEntry, SocketFile};
+use crate::endpoint::SocketFile;
+use crate::registry::{DeviceEntry, Registry};
 
 /// Default control socket of `vhostd stats`.
 pub const DEFAULT_PATH: &str = "/run/vhostd/control.sock";
 
 /// Listens on `path` (owner and group may connect) and answers on a thread
 /// of its own. The socket file goes when the returned guard does.
-pub fn serve(path: &Path, entries: Arc<Vec<Arc<DeviceEntry>>>) -> io::Result<SocketFile> {
+pub fn serve(path: &Path, entries: Registry) -> io::Result<SocketFile> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
             .map_err(|e| io::Error::new(e.kind(), format!("--control {}: {e}", path.display())))?;
     }
-    let listener = crate::server::bind_as(path, "--control")?;
+    let listener = crate::endpoint::bind_as(path, "--control")?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
-    crate::stats::init();
+    crate::snapshot::init();
     std::thread::Builder::new().name("vhostd-control".into()).spawn(move || {
         for conn in listener.incoming() {
             let Ok(conn) = conn else { continue };
@@ -43,7 +44,7 @@ fn answer(conn: UnixStream, entries: &[Arc<DeviceEntry>]) -> io::Result<()> {
     let mut line = String::new();
     BufReader::new(conn.try_clone()?.take(256)).read_line(&mut line)?;
     let reply = match line.trim() {
-        "stats" => crate::stats::snapshot(entries).to_string(),
+        "stats" => serde_json::to_string(&crate::snapshot::snapshot(entries)).map_err(io::Error::other)?,
         other => serde_json::json!({ "error": format!("unknown command '{other}' (known: stats)") }).to_string(),
     };
     (&conn).write_all(reply.as_bytes())?;

@@ -1,17 +1,33 @@
 //! vhostd as a library: the modules of the `vhostd` binary, public so that
 //! fuzz targets (fuzz/) and tests can reach the vhost-user session and the
 //! configuration parser. Not a stable API.
+//!
+//! From the command line down: `cli` and `config` parse into `spec` (plain
+//! device specs); `build` makes devices, their workers and endpoints from
+//! them; `server` is the main loop, serving each device's `endpoint` on a
+//! thread; `connection` serves one vhost-user connection (the `vhost`
+//! crate's handler and a shim), driving a `session`, which drives the
+//! device (the `vhostd_device::Device` trait) and its rings on the
+//! `worker`s. `registry` lists the devices for `control` (`vhostd stats`)
+//! and `metrics`, which render `snapshot`s.
 
+pub mod build;
 pub mod cli;
 pub mod config;
+pub mod connection;
 pub mod control;
+pub mod endpoint;
 pub mod man;
 pub mod memory;
 pub mod metrics;
 pub mod notify;
+pub mod registry;
 pub mod sandbox;
 pub mod server;
 pub mod session;
+pub mod signals;
+pub mod snapshot;
+pub mod spec;
 pub mod stats;
 pub mod worker;
 pub mod xdp_helper;

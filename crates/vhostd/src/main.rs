@@ -3,7 +3,8 @@
 use std::process::ExitCode;
 
 use vhostd::cli::{self, Command, DeviceArgs, LogFormat};
-use vhostd::config::{self, DeviceSpec};
+use vhostd::config;
+use vhostd::spec::DeviceSpec;
 use vhostd::{control, man, server, xdp_helper};
 
 fn init_logging(format: LogFormat) {
@@ -87,5 +88,5 @@ fn single(
     format: Option<LogFormat>,
 ) -> (Vec<DeviceSpec>, server::Globals, LogFormat) {
     let name = format!("{}0", args.kind());
-    (vec![DeviceSpec { name, args }], globals, format.unwrap_or(LogFormat::Text))
+    (vec![args.to_spec(name)], globals, format.unwrap_or(LogFormat::Text))
 }

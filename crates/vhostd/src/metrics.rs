@@ -7,15 +7,15 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::server::DeviceEntry;
+use crate::registry::{DeviceEntry, Registry};
 
 /// Listens on `addr` and serves scrapes on a thread of its own.
-pub fn serve(addr: SocketAddr, entries: Arc<Vec<Arc<DeviceEntry>>>) -> io::Result<()> {
+pub fn serve(addr: SocketAddr, entries: Registry) -> io::Result<()> {
     let listener = TcpListener::bind(addr).map_err(|e| io::Error::new(e.kind(), format!("--metrics {addr}: {e}")))?;
     if !addr.ip().is_loopback() {
         tracing::warn!("metrics on {addr}: reachable from other hosts");
     }
-    crate::stats::init();
+    crate::snapshot::init();
     tracing::info!("metrics on http://{}/metrics", listener.local_addr().unwrap_or(addr));
     std::thread::Builder::new().name("vhostd-metrics".into()).spawn(move || {
         for conn in listener.incoming() {
@@ -46,7 +46,7 @@ fn answer(conn: TcpStream, entries: &[Arc<DeviceEntry>]) -> io::Result<()> {
         ("GET", "/metrics") => (
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
-            crate::stats::prometheus(&crate::stats::snapshot(entries)),
+            crate::snapshot::prometheus(&crate::snapshot::snapshot(entries)),
         ),
         ("GET", "/") => ("200 OK", "text/plain; charset=utf-8", "vhostd: metrics at /metrics\n".to_string()),
         ("GET", _) => ("404 Not Found", "text/plain; charset=utf-8", "not found: try /metrics\n".to_string()),

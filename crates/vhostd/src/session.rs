@@ -1,6 +1,7 @@
 //! One vhost-user connection: the backend side of the protocol, on the
 //! `vhost` crate's request handler. It owns the memory table and the ring
-//! configuration, and starts and stops rings on the dataplane workers.
+//! configuration, and starts and stops rings on the workers that run the
+//! device's queue groups. It knows devices only through the `Device` trait.
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
@@ -10,71 +11,35 @@ use vhost::vhost_user::message::*;
 use vhost::vhost_user::{Backend, GpuBackend, VhostUserBackendReqHandlerMut};
 use vhost::vhost_user::{Error as VuError, Result as VuResult};
 use vhost::VhostUserMemoryRegionBase;
-use vhostd_net::{CtrlState, NetConfig, STATUS_LINK_UP};
+use vhostd_device::{Device, InflightLog, RingPlace};
 use virtq::ring::features as ring_features;
 use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, SplitConfig, SplitQueue};
-
-use crate::memory::{FrontendAddrs, FrontendRegion};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::worker::{Shared, Slot, WorkerHandle};
+use crate::memory::{FrontendAddrs, FrontendRegion};
+use crate::worker::{RunState, Start, WorkerHandle};
 
 /// VHOST_USER_F_PROTOCOL_FEATURES
 const PROTOCOL_FEATURES: u64 = 1 << 30;
 
-/// The device a session serves: what stays across connections.
-pub struct Device {
-    /// Queue pairs.
-    pub pairs: u16,
-    /// Largest ring size accepted.
-    pub max_queue_size: u16,
-    /// MAC address in the config space.
-    pub mac: [u8; 6],
-    /// Offload features the backend supports (a TAP's checksum and
-    /// segmentation offloads), offered on top of the rest.
-    pub offload_features: u64,
-    /// A virtio-blk device (then `pairs` counts its request queues and the
-    /// net fields are unused); None for virtio-net.
-    pub blk: Option<Arc<vhostd_blk::BlkDevice>>,
-    /// Dataplane workers, one per queue pair (blk: per request queue).
+/// A device and where its queue groups run: what a session serves, and
+/// what stays across connections.
+pub struct Served {
+    /// The device.
+    pub device: Arc<dyn Device>,
+    /// The workers running its groups.
     pub workers: Vec<WorkerHandle>,
-    /// State shared with the workers.
-    pub shared: Arc<Shared>,
+    /// Group `g` runs on `workers[placement[g]]`.
+    pub placement: Vec<usize>,
+    /// State shared with the workers (NEEDS_RESET, stop).
+    pub run: Arc<RunState>,
 }
 
-impl Device {
-    /// Features offered to the frontend. IN_ORDER costs nothing: every
-    /// path completes chains in the order it popped them, one used element
-    /// each (the spec's per-batch single element is an optional shortcut).
+impl Served {
+    /// Features offered to the frontend: the device's, and vhost-user's
+    /// protocol features bit.
     pub fn features(&self) -> u64 {
-        if let Some(blk) = &self.blk {
-            // No IN_ORDER: requests may finish in any order (the used ring
-            // is written in pop order today, but that is ours to change).
-            return ring_features::VERSION_1
-                | ring_features::EVENT_IDX
-                | ring_features::INDIRECT_DESC
-                | ring_features::RING_PACKED
-                | blk.features()
-                | PROTOCOL_FEATURES;
-        }
-        ring_features::VERSION_1
-            | ring_features::IN_ORDER
-            | ring_features::EVENT_IDX
-            | ring_features::INDIRECT_DESC
-            | ring_features::RING_PACKED
-            | vhostd_net::DEVICE_FEATURES
-            | self.offload_features
-            | PROTOCOL_FEATURES
-    }
-
-    /// Lets the TAP hand the guest frames that need the receive offloads
-    /// in `bits` (GUEST_* features).
-    pub fn apply_guest_offloads(&self, bits: u64) {
-        if let Some(tap) = &self.shared.tap {
-            if let Err(e) = tap.set_offloads(vhostd_net::guest_offloads(bits)) {
-                tracing::warn!("TAP {}: cannot set offloads {bits:#x}: {e}", tap.name());
-            }
-        }
+        self.device.features() | PROTOCOL_FEATURES
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -84,12 +49,17 @@ impl Device {
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::STATUS;
-        if self.blk.is_some() {
+        if self.device.tracks_inflight() {
             // Requests in flight survive a backend restart (split rings).
             f | VhostUserProtocolFeatures::INFLIGHT_SHMFD
         } else {
             f
         }
+    }
+
+    /// The worker running group `group`.
+    fn worker(&self, group: usize) -> Option<&WorkerHandle> {
+        self.placement.get(group).and_then(|&w| self.workers.get(w))
     }
 }
 
@@ -110,12 +80,13 @@ struct Vring {
     enabled: bool,
     /// A started ring that is not running (disabled) keeps its state here.
     parked: Option<Queue>,
-    running: bool,
+    /// Where the ring runs while it runs.
+    running: Option<RingPlace>,
 }
 
 /// The state of one connection.
 pub struct Session {
-    dev: Arc<Device>,
+    dev: Arc<Served>,
     owner: bool,
     features: u64,
     protocol: u64,
@@ -127,8 +98,8 @@ pub struct Session {
     region_refs: std::collections::HashMap<(u64, u64, u64), u32>,
     vrings: Vec<Vring>,
     status: u8,
-    /// blk: the frontend's inflight memory (SET_INFLIGHT_FD) and its
-    /// queue size.
+    /// The frontend's inflight memory (SET_INFLIGHT_FD) and its queue size,
+    /// for a device that tracks requests in flight.
     inflight: Option<(Arc<Mapping>, u16)>,
 }
 
@@ -159,8 +130,8 @@ fn to_eventfd(f: Option<File>) -> Option<EventFd> {
 
 impl Session {
     /// A fresh session for the device.
-    pub fn new(dev: Arc<Device>) -> Session {
-        let nrings = if dev.blk.is_some() { dev.pairs as usize } else { 2 * dev.pairs as usize + 1 };
+    pub fn new(dev: Arc<Served>) -> Session {
+        let nrings = dev.device.queues() as usize;
         Session {
             dev,
             owner: false,
@@ -175,32 +146,10 @@ impl Session {
         }
     }
 
-    fn ctrl_index(&self) -> usize {
-        if self.features & vhostd_net::features::MQ != 0 {
-            2 * self.dev.pairs as usize
-        } else {
-            2
-        }
-    }
-
-    /// Worker and slot of ring `i`, or None if the ring does not exist.
-    fn locate(&self, i: usize) -> Option<(usize, Slot)> {
-        if self.dev.blk.is_some() {
-            return (i < self.dev.pairs as usize).then_some((i, Slot::Req));
-        }
-        let has_ctrl = self.features & vhostd_net::features::CTRL_VQ != 0;
-        if has_ctrl && i == self.ctrl_index() {
-            return Some((0, Slot::Ctrl));
-        }
-        let pairs = if self.features & vhostd_net::features::MQ != 0 { self.dev.pairs as usize } else { 1 };
-        if i < 2 * pairs {
-            Some((i / 2, if i.is_multiple_of(2) { Slot::Rx } else { Slot::Tx }))
-        } else if i < 2 * self.dev.pairs as usize && self.features == 0 {
-            // Before SET_FEATURES the frontend may still set up every ring.
-            Some((i / 2, if i.is_multiple_of(2) { Slot::Rx } else { Slot::Tx }))
-        } else {
-            None
-        }
+    /// Where ring `i` runs under the acked features, or None if the ring
+    /// does not exist.
+    fn locate(&self, i: usize) -> Option<RingPlace> {
+        self.dev.device.place(u16::try_from(i).ok()?, self.features)
     }
 
     fn check_index(&self, i: u32) -> VuResult<()> {
@@ -221,27 +170,25 @@ impl Session {
 
     /// Takes ring `i` off its worker (if running), keeping it parked.
     fn stop_ring(&mut self, i: usize) {
-        let Some((w, slot)) = self.locate(i) else { return };
-        if !self.vrings[i].running {
-            return;
-        }
-        if let Some((q, kick, call)) = self.dev.workers[w].detach(slot) {
+        let Some(place) = self.vrings[i].running.take() else { return };
+        let Some(w) = self.dev.worker(place.group) else { return };
+        if let Some((q, kick, call)) = w.detach(place.group, place.slot) {
             let v = &mut self.vrings[i];
             v.base = q.vring_base();
             v.parked = Some(q);
             v.kick = kick;
             v.call = call;
         }
-        self.vrings[i].running = false;
     }
 
     /// Puts ring `i` on its worker if it should run; builds the queue on
     /// first start. A ring whose addresses are bad is refused and left stopped.
     fn start_ring(&mut self, i: usize) -> VuResult<()> {
-        if self.vrings[i].running || !self.should_run(i) {
+        if self.vrings[i].running.is_some() || !self.should_run(i) {
             return Ok(());
         }
-        let Some((w, slot)) = self.locate(i) else { return Ok(()) };
+        let Some(place) = self.locate(i) else { return Ok(()) };
+        let Some(w) = self.dev.worker(place.group) else { return Ok(()) };
         let queue = match self.vrings[i].parked.take() {
             Some(q) => q,
             None => {
@@ -281,18 +228,17 @@ impl Session {
                 })?
             }
         };
-        let layout = vhostd_net::Layout::from_features(self.features);
         let v = &mut self.vrings[i];
-        let kick = v.kick.take();
         // The worker gives kick and call back when the ring stops.
-        let call = v.call.take();
-        let errfd = v.err.as_ref().and_then(|c| c.try_clone().ok());
-        let inflight = match (&self.inflight, slot) {
-            (Some((map, qsize)), Slot::Req) => vhostd_blk::InflightLog::new(map.clone(), i, *qsize),
+        let (kick, call) = (v.kick.take(), v.call.take());
+        let err = v.err.as_ref().and_then(|c| c.try_clone().ok());
+        // The inflight log covers split rings only.
+        let inflight = match (&self.inflight, &queue) {
+            (Some((map, qsize)), Queue::Split(_)) => InflightLog::new(map.clone(), i, *qsize),
             _ => None,
         };
-        self.dev.workers[w].attach(slot, queue, kick, call, errfd, layout, inflight);
-        self.vrings[i].running = true;
+        w.attach(place.group, place.slot, Start { queue, kick, call, err, features: self.features, inflight });
+        self.vrings[i].running = Some(place);
         Ok(())
     }
 
@@ -309,10 +255,13 @@ impl Session {
             self.stop_ring(i);
         }
         // Whatever the features said, no ring outlives its connection.
-        let slots: &[Slot] = if self.dev.blk.is_some() { &[Slot::Req] } else { &[Slot::Rx, Slot::Tx, Slot::Ctrl] };
-        for w in &self.dev.workers {
-            for &slot in slots {
-                let _ = w.detach(slot);
+        for i in 0..self.vrings.len() {
+            for features in [self.features, 0] {
+                if let Some(p) = self.dev.device.place(i as u16, features) {
+                    if let Some(w) = self.dev.worker(p.group) {
+                        let _ = w.detach(p.group, p.slot);
+                    }
+                }
             }
         }
         for v in self.vrings.iter_mut() {
@@ -324,18 +273,13 @@ impl Session {
         self.features = 0;
         self.status = 0;
         self.inflight = None;
-        self.dev.shared.needs_reset.store(false, Ordering::Release);
-        self.dev.shared.active_pairs.store(self.dev.pairs, Ordering::Release);
-        if let Ok(mut c) = self.dev.shared.ctrl.lock() {
-            *c = CtrlState { errors: c.errors, ..CtrlState::new(self.dev.pairs, self.dev.mac) };
-        }
-        // No guest, no offloaded frames.
-        self.dev.apply_guest_offloads(0);
+        self.dev.run.needs_reset.store(false, Ordering::Release);
+        self.dev.device.reset();
     }
 
     /// Installs a new memory table: running and parked rings are moved onto it.
     fn replace_memory(&mut self, mem: GuestMemory, addrs: FrontendAddrs) -> VuResult<()> {
-        let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running).collect();
+        let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running.is_some()).collect();
         for &i in &running {
             self.stop_ring(i);
         }
@@ -385,7 +329,7 @@ impl Session {
     /// Device status as GET_STATUS reports it (NEEDS_RESET once a ring broke).
     pub fn status(&self) -> u8 {
         let mut s = self.status;
-        if self.dev.shared.needs_reset.load(Ordering::Acquire) {
+        if self.dev.run.needs_reset.load(Ordering::Acquire) {
             s |= 0x40;
         }
         s
@@ -397,7 +341,7 @@ impl Session {
             for i in 0..self.vrings.len() {
                 self.stop_ring(i);
             }
-            self.dev.shared.needs_reset.store(false, Ordering::Release);
+            self.dev.run.needs_reset.store(false, Ordering::Release);
         }
         self.status = status;
     }
@@ -446,7 +390,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         // MQ under running rings): take every ring off its worker while the
         // old features still say where it runs, and rebuild them for the new
         // ones from where they stopped.
-        let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running).collect();
+        let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running.is_some()).collect();
         if features != self.features {
             for &i in &running {
                 self.stop_ring(i);
@@ -456,29 +400,19 @@ impl VhostUserBackendReqHandlerMut for Session {
             }
         }
         self.features = features;
+        let more = self.dev.device.describe_features(features);
         tracing::info!(
-            "features acked: {features:#x} ({} ring{}{})",
+            "features acked: {features:#x} ({} ring{}{}{})",
             if features & ring_features::RING_PACKED != 0 { "packed" } else { "split" },
             if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
-            if self.dev.blk.is_none() && features & vhostd_net::features::MRG_RXBUF != 0 {
-                ", mergeable rx"
-            } else {
-                ""
-            },
+            if more.is_empty() { "" } else { ", " },
+            more,
         );
         for i in running {
             // A ring that cannot run under the new features stays stopped.
             let _ = self.start_ring(i);
         }
-        if self.dev.blk.is_some() {
-            return Ok(());
-        }
-        let offloads = features & vhostd_net::features::GUEST_OFFLOADS;
-        if let Ok(mut c) = self.dev.shared.ctrl.lock() {
-            c.offloads_allowed = offloads;
-            c.offloads = offloads;
-        }
-        self.dev.apply_guest_offloads(offloads);
+        self.dev.device.set_features(features);
         Ok(())
     }
 
@@ -508,7 +442,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         // Split rings must be a power of two; packed rings may be any size
         // (virtio 1.2, 2.8). Without RING_PACKED acked this is a split ring.
         let packed = self.features & ring_features::RING_PACKED != 0;
-        if num == 0 || num > self.dev.max_queue_size as u32 || (!packed && !num.is_power_of_two()) {
+        if num == 0 || num > self.dev.device.max_queue_size() as u32 || (!packed && !num.is_power_of_two()) {
             return Err(err("ring size is zero, above --queue-size, or (split ring) not a power of two"));
         }
         let i = index as usize;
@@ -600,12 +534,8 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_queue_num(&mut self) -> VuResult<u64> {
         // Virtqueues, as the spec and libvhost-user count them (QEMU reads
-        // it as an upper bound on queue pairs, which this also satisfies):
-        // the pairs plus the control queue.
-        if self.dev.blk.is_some() {
-            return Ok(self.dev.pairs as u64);
-        }
-        Ok(2 * self.dev.pairs as u64 + 1)
+        // it as an upper bound on queue pairs, which this also satisfies).
+        Ok(self.dev.device.queues() as u64)
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
@@ -614,43 +544,15 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
-        let (off, len) = (offset as usize, size as usize);
-        if let Some(blk) = &self.dev.blk {
-            let bytes = blk.config();
-            // QEMU asks for its whole struct; bytes past ours read as zero.
-            return match off.checked_add(len) {
-                Some(end) if len <= 4096 => {
-                    let mut out = vec![0u8; len];
-                    if off < bytes.len() {
-                        let n = end.min(bytes.len()) - off;
-                        out[..n].copy_from_slice(&bytes[off..off + n]);
-                    }
-                    Ok(out)
-                }
-                _ => Err(err("GET_CONFIG outside the config space")),
-            };
-        }
-        let mac = self.dev.shared.ctrl.lock().map(|c| c.mac).unwrap_or(self.dev.mac);
-        let link_up = self.dev.shared.link.as_ref().is_none_or(|l| l.up());
-        let status = if link_up { STATUS_LINK_UP } else { 0 };
-        let cfg = NetConfig { mac, status, max_queue_pairs: self.dev.pairs, mtu: 1500 };
-        let bytes = cfg.bytes();
-        match off.checked_add(len) {
-            Some(end) if end <= bytes.len() => Ok(bytes[off..end].to_vec()),
-            _ => Err(err("GET_CONFIG outside the config space")),
-        }
+        self.dev.device.read_config(offset, size).ok_or_else(|| err("GET_CONFIG outside the config space"))
     }
 
     fn set_config(&mut self, offset: u32, buf: &[u8], _flags: VhostUserConfigFlags) -> VuResult<()> {
-        if let Some(blk) = &self.dev.blk {
-            if self.features & vhostd_blk::features::CONFIG_WCE != 0 && blk.set_config(offset as usize, buf) {
-                tracing::info!("guest set the cache to {}", if buf[0] == 1 { "write-back" } else { "write-through" });
-                return Ok(());
-            }
-            return Err(err("SET_CONFIG of a read-only config field"));
+        if self.dev.device.write_config(offset, buf, self.features) {
+            Ok(())
+        } else {
+            Err(err("SET_CONFIG of a field the driver may not write"))
         }
-        // The virtio-net config space is read-only for the driver.
-        Err(err("SET_CONFIG on virtio-net"))
     }
 
     fn set_backend_req_fd(&mut self, _backend: Backend) {}
@@ -665,10 +567,10 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_inflight_fd(&mut self, inflight: &VhostUserInflight) -> VuResult<(VhostUserInflight, File)> {
         let (nq, qs) = (inflight.num_queues, inflight.queue_size);
-        if self.dev.blk.is_none() || nq == 0 || nq > self.dev.pairs || qs == 0 || qs > 32768 {
-            return Err(err("GET_INFLIGHT_FD: not a blk device, or bad num_queues / queue_size"));
+        if !self.dev.device.tracks_inflight() || nq == 0 || nq > self.dev.device.queues() || qs == 0 || qs > 32768 {
+            return Err(err("GET_INFLIGHT_FD: the device keeps no inflight log, or bad num_queues / queue_size"));
         }
-        let size = nq as usize * vhostd_blk::inflight::region_size(qs);
+        let size = nq as usize * vhostd_device::inflight::region_size(qs);
         // SAFETY: memfd_create with a static C name; the fd is checked.
         let fd =
             unsafe { libc::memfd_create(c"vhostd-inflight".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -686,10 +588,10 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> VuResult<()> {
         let (nq, qs) = (inflight.num_queues, inflight.queue_size);
-        if self.dev.blk.is_none() || nq == 0 || qs == 0 || qs > 32768 {
-            return Err(err("SET_INFLIGHT_FD: not a blk device, or bad num_queues / queue_size"));
+        if !self.dev.device.tracks_inflight() || nq == 0 || qs == 0 || qs > 32768 {
+            return Err(err("SET_INFLIGHT_FD: the device keeps no inflight log, or bad num_queues / queue_size"));
         }
-        let need = nq as u64 * vhostd_blk::inflight::region_size(qs) as u64;
+        let need = nq as u64 * vhostd_device::inflight::region_size(qs) as u64;
         let len = file.metadata().map_err(VuError::ReqHandlerError)?.len();
         let (size, off) = (inflight.mmap_size, inflight.mmap_offset);
         if size < need || off % 4096 != 0 || off.checked_add(size).is_none_or(|end| end > len) || size > 1 << 30 {

@@ -1,0 +1,97 @@
+//! The devices a daemon serves, as the main loop, the control socket and
+//! the metrics endpoint see them: each device's name, endpoint, connection
+//! state and the device itself.
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::session::Served;
+
+/// A device being served.
+pub struct DeviceEntry {
+    /// Its name (logs, stats, metrics).
+    pub name: String,
+    /// `net` or `blk`.
+    pub kind: &'static str,
+    /// The socket path, or `fd N`.
+    pub endpoint: String,
+    /// The device and its workers.
+    pub served: Arc<Served>,
+    /// A frontend is connected.
+    pub connected: AtomicBool,
+    /// Connections accepted so far.
+    pub connections: AtomicU64,
+    /// Why the device stopped serving, if it failed.
+    pub failed: Mutex<Option<String>>,
+    /// A handle on the connection being served: shut down at stop, so a
+    /// frontend stalled mid-message (or not reading its replies) cannot
+    /// hold the device thread.
+    conn: Mutex<Option<UnixStream>>,
+    /// Ends the device's thread.
+    pub stop: EventFd,
+}
+
+impl DeviceEntry {
+    /// An entry for a device not yet serving.
+    pub fn new(
+        name: String,
+        kind: &'static str,
+        endpoint: String,
+        served: Arc<Served>,
+    ) -> std::io::Result<DeviceEntry> {
+        Ok(DeviceEntry {
+            name,
+            kind,
+            endpoint,
+            served,
+            connected: AtomicBool::new(false),
+            connections: AtomicU64::new(0),
+            failed: Mutex::new(None),
+            conn: Mutex::new(None),
+            stop: EventFd::new(EFD_NONBLOCK)?,
+        })
+    }
+
+    /// A connection is being served (`conn`: a handle to shut it down).
+    pub fn connected(&self, conn: Option<UnixStream>) {
+        self.connected.store(true, Ordering::Relaxed);
+        self.connections.fetch_add(1, Ordering::Relaxed);
+        if let (Ok(mut slot), Some(c)) = (self.conn.lock(), conn) {
+            *slot = Some(c);
+        }
+    }
+
+    /// The connection ended.
+    pub fn disconnected(&self) {
+        if let Ok(mut slot) = self.conn.lock() {
+            *slot = None;
+        }
+        self.connected.store(false, Ordering::Relaxed);
+    }
+
+    /// Marks the device failed (it stopped serving).
+    pub fn fail(&self, why: String) {
+        if let Ok(mut f) = self.failed.lock() {
+            *f = Some(why);
+        }
+    }
+
+    /// Why the device failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failed.lock().ok().and_then(|f| f.clone())
+    }
+
+    /// Asks the device's thread to end, and cuts its connection.
+    pub fn stop(&self) {
+        let _ = self.stop.write(1);
+        if let Some(c) = self.conn.lock().ok().and_then(|mut c| c.take()) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Every device of the daemon, in configuration order.
+pub type Registry = Arc<Vec<Arc<DeviceEntry>>>;
