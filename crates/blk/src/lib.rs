@@ -19,50 +19,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub mod device;
+pub mod wire;
 pub use device::{build, BlkGroup};
 pub use vhostd_device::{inflight, InflightLog};
+pub use wire::{features, status, types, CONFIG_LEN, HEADER_LEN, ID_LEN, SECTOR};
 
 use vhostd_block_backends::{BlockBackend, Completion, DiskInfo, Op, Request};
 use virtq::ring::MAX_QUEUE_SIZE;
 use virtq::{Access, Batch, GuestBufs, IoBufs, Queue};
 
-/// Request types.
-pub mod types {
-    pub const IN: u32 = 0;
-    pub const OUT: u32 = 1;
-    pub const FLUSH: u32 = 4;
-    pub const GET_ID: u32 = 8;
-    pub const DISCARD: u32 = 11;
-    pub const WRITE_ZEROES: u32 = 13;
-}
-
-/// Status byte values.
-pub mod status {
-    pub const OK: u8 = 0;
-    pub const IOERR: u8 = 1;
-    pub const UNSUPP: u8 = 2;
-}
-
-/// Feature bits.
-pub mod features {
-    pub const SIZE_MAX: u64 = 1 << 1;
-    pub const SEG_MAX: u64 = 1 << 2;
-    pub const RO: u64 = 1 << 5;
-    pub const BLK_SIZE: u64 = 1 << 6;
-    pub const FLUSH: u64 = 1 << 9;
-    pub const TOPOLOGY: u64 = 1 << 10;
-    pub const CONFIG_WCE: u64 = 1 << 11;
-    pub const MQ: u64 = 1 << 12;
-    pub const DISCARD: u64 = 1 << 13;
-    pub const WRITE_ZEROES: u64 = 1 << 14;
-}
-
-/// Sectors are 512 bytes whatever the block size.
-pub const SECTOR: u64 = 512;
-/// Header bytes (type, reserved, sector).
-pub const HEADER_LEN: usize = 16;
-/// Bytes of a GET_ID answer.
-pub const ID_LEN: usize = 20;
 /// Data segments a request may have (advertised as seg_max).
 pub const SEG_MAX: u32 = 128;
 /// Largest data segment (advertised as size_max). SEG_MAX x SIZE_MAX must
@@ -71,10 +36,6 @@ pub const SEG_MAX: u32 = 128;
 pub const SIZE_MAX: u32 = 128 << 10;
 /// Largest DISCARD / WRITE_ZEROES range in sectors (1 GiB).
 pub const MAX_RANGE_SECTORS: u32 = 1 << 21;
-/// Config space bytes served (up to write_zeroes_may_unmap and its padding).
-pub const CONFIG_LEN: usize = 60;
-/// Offset of `writeback` in the config space (CONFIG_WCE).
-const WRITEBACK_OFFSET: usize = 32;
 
 /// What stays across connections: the disk's shape and the cache mode.
 pub struct BlkDevice {
@@ -127,32 +88,33 @@ impl BlkDevice {
     /// The config space (little-endian, as virtio 1.x lays it out).
     pub fn config(&self) -> [u8; CONFIG_LEN] {
         let mut c = [0u8; CONFIG_LEN];
+        use wire::config::*;
         let put32 = |c: &mut [u8; CONFIG_LEN], off: usize, v: u32| c[off..off + 4].copy_from_slice(&v.to_le_bytes());
-        c[0..8].copy_from_slice(&(self.disk.capacity / SECTOR).to_le_bytes());
-        put32(&mut c, 8, SIZE_MAX);
-        put32(&mut c, 12, SEG_MAX);
+        c[CAPACITY..CAPACITY + 8].copy_from_slice(&(self.disk.capacity / SECTOR).to_le_bytes());
+        put32(&mut c, wire::config::SIZE_MAX, crate::SIZE_MAX);
+        put32(&mut c, wire::config::SEG_MAX, crate::SEG_MAX);
         // geometry (16..20) stays zero: no legacy CHS.
-        put32(&mut c, 20, self.disk.block_size);
+        put32(&mut c, BLK_SIZE, self.disk.block_size);
         // topology: physical block exponent (physical = logical here),
         // alignment offset 0, min_io_size 1 logical block, opt_io_size 0.
-        c[24] = 0;
-        c[26..28].copy_from_slice(&1u16.to_le_bytes());
-        c[WRITEBACK_OFFSET] = self.writeback.load(Ordering::Relaxed) as u8;
-        c[34..36].copy_from_slice(&self.queues.to_le_bytes());
+        c[PHYSICAL_BLOCK_EXP] = 0;
+        c[MIN_IO_SIZE..MIN_IO_SIZE + 2].copy_from_slice(&1u16.to_le_bytes());
+        c[WRITEBACK] = self.writeback.load(Ordering::Relaxed) as u8;
+        c[NUM_QUEUES..NUM_QUEUES + 2].copy_from_slice(&self.queues.to_le_bytes());
         let align = (self.disk.block_size as u64 / SECTOR).max(1) as u32;
-        put32(&mut c, 36, MAX_RANGE_SECTORS);
-        put32(&mut c, 40, 1);
-        put32(&mut c, 44, align);
-        put32(&mut c, 48, MAX_RANGE_SECTORS);
-        put32(&mut c, 52, 1);
-        c[56] = self.disk.discard as u8;
+        put32(&mut c, MAX_DISCARD_SECTORS, MAX_RANGE_SECTORS);
+        put32(&mut c, MAX_DISCARD_SEG, 1);
+        put32(&mut c, DISCARD_SECTOR_ALIGNMENT, align);
+        put32(&mut c, MAX_WRITE_ZEROES_SECTORS, MAX_RANGE_SECTORS);
+        put32(&mut c, MAX_WRITE_ZEROES_SEG, 1);
+        c[WRITE_ZEROES_MAY_UNMAP] = self.disk.discard as u8;
         c
     }
 
     /// A driver write to the config space: only `writeback` is writable.
     /// Returns false for anything else.
     pub fn set_config(&self, offset: usize, data: &[u8]) -> bool {
-        if offset == WRITEBACK_OFFSET && data.len() == 1 && data[0] <= 1 {
+        if offset == wire::config::WRITEBACK && data.len() == 1 && data[0] <= 1 {
             self.writeback.store(data[0] == 1, Ordering::Relaxed);
             return true;
         }

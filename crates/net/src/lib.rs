@@ -11,52 +11,54 @@ pub use device::{build, CtrlGroup, NetDevice, PairGroup};
 use vhostd_backends::{NetBackend, Offloads, VNET_HDR_LEN};
 use virtq::{Access, Batch, GuestBufs, Queue};
 
-/// virtio-net feature bits.
+/// virtio-net feature bits (numbers from `virtio-bindings`).
 pub mod features {
+    use virtio_bindings::virtio_net as n;
+
     /// VIRTIO_NET_F_CSUM: the driver may send partially checksummed frames.
-    pub const CSUM: u64 = 1 << 0;
+    pub const CSUM: u64 = 1 << n::VIRTIO_NET_F_CSUM;
     /// VIRTIO_NET_F_GUEST_CSUM: the driver accepts partially checksummed frames.
-    pub const GUEST_CSUM: u64 = 1 << 1;
+    pub const GUEST_CSUM: u64 = 1 << n::VIRTIO_NET_F_GUEST_CSUM;
     /// VIRTIO_NET_F_CTRL_GUEST_OFFLOADS
-    pub const CTRL_GUEST_OFFLOADS: u64 = 1 << 2;
+    pub const CTRL_GUEST_OFFLOADS: u64 = 1 << n::VIRTIO_NET_F_CTRL_GUEST_OFFLOADS;
     /// VIRTIO_NET_F_GUEST_TSO4
-    pub const GUEST_TSO4: u64 = 1 << 7;
+    pub const GUEST_TSO4: u64 = 1 << n::VIRTIO_NET_F_GUEST_TSO4;
     /// VIRTIO_NET_F_GUEST_TSO6
-    pub const GUEST_TSO6: u64 = 1 << 8;
+    pub const GUEST_TSO6: u64 = 1 << n::VIRTIO_NET_F_GUEST_TSO6;
     /// VIRTIO_NET_F_GUEST_ECN
-    pub const GUEST_ECN: u64 = 1 << 9;
+    pub const GUEST_ECN: u64 = 1 << n::VIRTIO_NET_F_GUEST_ECN;
     /// VIRTIO_NET_F_GUEST_UFO
-    pub const GUEST_UFO: u64 = 1 << 10;
+    pub const GUEST_UFO: u64 = 1 << n::VIRTIO_NET_F_GUEST_UFO;
     /// VIRTIO_NET_F_HOST_TSO4
-    pub const HOST_TSO4: u64 = 1 << 11;
+    pub const HOST_TSO4: u64 = 1 << n::VIRTIO_NET_F_HOST_TSO4;
     /// VIRTIO_NET_F_HOST_TSO6
-    pub const HOST_TSO6: u64 = 1 << 12;
+    pub const HOST_TSO6: u64 = 1 << n::VIRTIO_NET_F_HOST_TSO6;
     /// VIRTIO_NET_F_HOST_ECN
-    pub const HOST_ECN: u64 = 1 << 13;
+    pub const HOST_ECN: u64 = 1 << n::VIRTIO_NET_F_HOST_ECN;
     /// VIRTIO_NET_F_HOST_UFO
-    pub const HOST_UFO: u64 = 1 << 14;
+    pub const HOST_UFO: u64 = 1 << n::VIRTIO_NET_F_HOST_UFO;
     /// VIRTIO_NET_F_MTU
-    pub const MTU: u64 = 1 << 3;
+    pub const MTU: u64 = 1 << n::VIRTIO_NET_F_MTU;
     /// VIRTIO_NET_F_MAC
-    pub const MAC: u64 = 1 << 5;
+    pub const MAC: u64 = 1 << n::VIRTIO_NET_F_MAC;
     /// VIRTIO_NET_F_MRG_RXBUF
-    pub const MRG_RXBUF: u64 = 1 << 15;
+    pub const MRG_RXBUF: u64 = 1 << n::VIRTIO_NET_F_MRG_RXBUF;
     /// VIRTIO_NET_F_STATUS
-    pub const STATUS: u64 = 1 << 16;
+    pub const STATUS: u64 = 1 << n::VIRTIO_NET_F_STATUS;
     /// VIRTIO_NET_F_CTRL_VQ
-    pub const CTRL_VQ: u64 = 1 << 17;
+    pub const CTRL_VQ: u64 = 1 << n::VIRTIO_NET_F_CTRL_VQ;
     /// VIRTIO_NET_F_CTRL_RX
-    pub const CTRL_RX: u64 = 1 << 18;
+    pub const CTRL_RX: u64 = 1 << n::VIRTIO_NET_F_CTRL_RX;
     /// VIRTIO_NET_F_MQ
-    pub const MQ: u64 = 1 << 22;
+    pub const MQ: u64 = 1 << n::VIRTIO_NET_F_MQ;
     /// VIRTIO_NET_F_CTRL_MAC_ADDR
-    pub const CTRL_MAC_ADDR: u64 = 1 << 23;
+    pub const CTRL_MAC_ADDR: u64 = 1 << n::VIRTIO_NET_F_CTRL_MAC_ADDR;
     /// VIRTIO_NET_F_GUEST_USO4
-    pub const GUEST_USO4: u64 = 1 << 54;
+    pub const GUEST_USO4: u64 = 1 << n::VIRTIO_NET_F_GUEST_USO4;
     /// VIRTIO_NET_F_GUEST_USO6
-    pub const GUEST_USO6: u64 = 1 << 55;
+    pub const GUEST_USO6: u64 = 1 << n::VIRTIO_NET_F_GUEST_USO6;
     /// VIRTIO_NET_F_HOST_USO
-    pub const HOST_USO: u64 = 1 << 56;
+    pub const HOST_USO: u64 = 1 << n::VIRTIO_NET_F_HOST_USO;
     /// The receive offloads VIRTIO_NET_CTRL_GUEST_OFFLOADS_SET may switch.
     pub const GUEST_OFFLOADS: u64 =
         GUEST_CSUM | GUEST_TSO4 | GUEST_TSO6 | GUEST_ECN | GUEST_UFO | GUEST_USO4 | GUEST_USO6;
@@ -142,7 +144,7 @@ impl Layout {
     }
 }
 /// VIRTIO_NET_S_LINK_UP
-pub const STATUS_LINK_UP: u16 = 1;
+pub const STATUS_LINK_UP: u16 = virtio_bindings::virtio_net::VIRTIO_NET_S_LINK_UP as u16;
 
 /// The device config space (virtio_net_config), as far as we fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -462,16 +464,18 @@ fn rx_mergeable(
 
 /// Control queue classes and commands (virtio 1.2, 5.1.6.5).
 mod ctrl {
-    pub const CLASS_RX: u8 = 0;
-    pub const CLASS_MAC: u8 = 1;
-    pub const CLASS_ANNOUNCE: u8 = 3;
-    pub const CLASS_MQ: u8 = 4;
-    pub const CLASS_GUEST_OFFLOADS: u8 = 5;
-    pub const GUEST_OFFLOADS_SET: u8 = 0;
-    pub const MQ_VQ_PAIRS_SET: u8 = 0;
-    pub const MAC_ADDR_SET: u8 = 1;
-    pub const OK: u8 = 0;
-    pub const ERR: u8 = 1;
+    use virtio_bindings::virtio_net as n;
+
+    pub const CLASS_RX: u8 = n::VIRTIO_NET_CTRL_RX as u8;
+    pub const CLASS_MAC: u8 = n::VIRTIO_NET_CTRL_MAC as u8;
+    pub const CLASS_ANNOUNCE: u8 = n::VIRTIO_NET_CTRL_ANNOUNCE as u8;
+    pub const CLASS_MQ: u8 = n::VIRTIO_NET_CTRL_MQ as u8;
+    pub const CLASS_GUEST_OFFLOADS: u8 = n::VIRTIO_NET_CTRL_GUEST_OFFLOADS as u8;
+    pub const GUEST_OFFLOADS_SET: u8 = n::VIRTIO_NET_CTRL_GUEST_OFFLOADS_SET as u8;
+    pub const MQ_VQ_PAIRS_SET: u8 = n::VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET as u8;
+    pub const MAC_ADDR_SET: u8 = n::VIRTIO_NET_CTRL_MAC_ADDR_SET as u8;
+    pub const OK: u8 = n::VIRTIO_NET_OK as u8;
+    pub const ERR: u8 = n::VIRTIO_NET_ERR as u8;
 }
 
 /// State the control queue changes.

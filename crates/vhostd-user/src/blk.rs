@@ -23,45 +23,11 @@ use crate::{features, DeviceType, Error, VirtioUser};
 use std::time::{Duration, Instant};
 use virtq_driver::{Buf, Used};
 
-/// Sectors are 512 bytes whatever the device's block size.
-pub const SECTOR: u64 = 512;
-/// Request header bytes.
-pub const HEADER_LEN: usize = 16;
-/// Bytes of a GET_ID answer.
-pub const ID_LEN: usize = 20;
-/// Config space bytes read (up to write_zeroes_may_unmap and its padding,
-/// the size QEMU's `struct virtio_blk_config` had before zoned devices).
-pub const CONFIG_LEN: usize = 60;
+// The wire format is the device's (one definition for both sides).
+pub use vhostd_blk::wire::{status, types, CONFIG_LEN, HEADER_LEN, ID_LEN, RANGE_F_UNMAP, SECTOR};
+
 /// The status byte before the device writes it (not a valid status).
 pub const STATUS_NOT_WRITTEN: u8 = 0xff;
-/// DISCARD / WRITE_ZEROES range flag: the device may unmap.
-pub const RANGE_F_UNMAP: u32 = 1;
-
-/// Request types.
-pub mod types {
-    /// VIRTIO_BLK_T_IN: read.
-    pub const IN: u32 = 0;
-    /// VIRTIO_BLK_T_OUT: write.
-    pub const OUT: u32 = 1;
-    /// VIRTIO_BLK_T_FLUSH.
-    pub const FLUSH: u32 = 4;
-    /// VIRTIO_BLK_T_GET_ID: a 20-byte device id.
-    pub const GET_ID: u32 = 8;
-    /// VIRTIO_BLK_T_DISCARD.
-    pub const DISCARD: u32 = 11;
-    /// VIRTIO_BLK_T_WRITE_ZEROES.
-    pub const WRITE_ZEROES: u32 = 13;
-}
-
-/// Status byte values.
-pub mod status {
-    /// VIRTIO_BLK_S_OK
-    pub const OK: u8 = 0;
-    /// VIRTIO_BLK_S_IOERR
-    pub const IOERR: u8 = 1;
-    /// VIRTIO_BLK_S_UNSUPP
-    pub const UNSUPP: u8 = 2;
-}
 
 /// A status byte as a word (for messages).
 pub fn status_name(s: u8) -> String {

@@ -54,50 +54,55 @@ use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 
-/// Feature bits (virtio 1.2 section 5.1.3 and 6, vhost-user).
+/// Feature bits, named for the device they belong to: the device crates'
+/// own definitions (from virtio-bindings), gathered for the frontend.
 pub mod features {
+    use vhostd_blk::features as blk;
+    use vhostd_net::features as net;
+    use virtq::ring::features as ring;
+
     /// VIRTIO_NET_F_CSUM
-    pub const NET_CSUM: u64 = 1 << 0;
+    pub const NET_CSUM: u64 = net::CSUM;
     /// VIRTIO_NET_F_GUEST_CSUM
-    pub const NET_GUEST_CSUM: u64 = 1 << 1;
+    pub const NET_GUEST_CSUM: u64 = net::GUEST_CSUM;
     /// VIRTIO_NET_F_CTRL_GUEST_OFFLOADS
-    pub const NET_CTRL_GUEST_OFFLOADS: u64 = 1 << 2;
+    pub const NET_CTRL_GUEST_OFFLOADS: u64 = net::CTRL_GUEST_OFFLOADS;
     /// VIRTIO_NET_F_GUEST_TSO4
-    pub const NET_GUEST_TSO4: u64 = 1 << 7;
+    pub const NET_GUEST_TSO4: u64 = net::GUEST_TSO4;
     /// VIRTIO_NET_F_HOST_TSO4
-    pub const NET_HOST_TSO4: u64 = 1 << 11;
+    pub const NET_HOST_TSO4: u64 = net::HOST_TSO4;
     /// VIRTIO_NET_F_MAC
-    pub const NET_MAC: u64 = 1 << 5;
+    pub const NET_MAC: u64 = net::MAC;
     /// VIRTIO_NET_F_MRG_RXBUF
-    pub const NET_MRG_RXBUF: u64 = 1 << 15;
+    pub const NET_MRG_RXBUF: u64 = net::MRG_RXBUF;
     /// VIRTIO_NET_F_STATUS
-    pub const NET_STATUS: u64 = 1 << 16;
+    pub const NET_STATUS: u64 = net::STATUS;
     /// VIRTIO_NET_F_CTRL_VQ
-    pub const NET_CTRL_VQ: u64 = 1 << 17;
+    pub const NET_CTRL_VQ: u64 = net::CTRL_VQ;
     /// VIRTIO_NET_F_MQ
-    pub const NET_MQ: u64 = 1 << 22;
+    pub const NET_MQ: u64 = net::MQ;
     /// VIRTIO_BLK_F_SIZE_MAX
-    pub const BLK_SIZE_MAX: u64 = 1 << 1;
+    pub const BLK_SIZE_MAX: u64 = blk::SIZE_MAX;
     /// VIRTIO_BLK_F_SEG_MAX
-    pub const BLK_SEG_MAX: u64 = 1 << 2;
+    pub const BLK_SEG_MAX: u64 = blk::SEG_MAX;
     /// VIRTIO_BLK_F_GEOMETRY
-    pub const BLK_GEOMETRY: u64 = 1 << 4;
+    pub const BLK_GEOMETRY: u64 = blk::GEOMETRY;
     /// VIRTIO_BLK_F_RO
-    pub const BLK_RO: u64 = 1 << 5;
+    pub const BLK_RO: u64 = blk::RO;
     /// VIRTIO_BLK_F_BLK_SIZE
-    pub const BLK_BLK_SIZE: u64 = 1 << 6;
+    pub const BLK_BLK_SIZE: u64 = blk::BLK_SIZE;
     /// VIRTIO_BLK_F_FLUSH
-    pub const BLK_FLUSH: u64 = 1 << 9;
+    pub const BLK_FLUSH: u64 = blk::FLUSH;
     /// VIRTIO_BLK_F_TOPOLOGY
-    pub const BLK_TOPOLOGY: u64 = 1 << 10;
+    pub const BLK_TOPOLOGY: u64 = blk::TOPOLOGY;
     /// VIRTIO_BLK_F_CONFIG_WCE
-    pub const BLK_CONFIG_WCE: u64 = 1 << 11;
+    pub const BLK_CONFIG_WCE: u64 = blk::CONFIG_WCE;
     /// VIRTIO_BLK_F_MQ
-    pub const BLK_MQ: u64 = 1 << 12;
+    pub const BLK_MQ: u64 = blk::MQ;
     /// VIRTIO_BLK_F_DISCARD
-    pub const BLK_DISCARD: u64 = 1 << 13;
+    pub const BLK_DISCARD: u64 = blk::DISCARD;
     /// VIRTIO_BLK_F_WRITE_ZEROES
-    pub const BLK_WRITE_ZEROES: u64 = 1 << 14;
+    pub const BLK_WRITE_ZEROES: u64 = blk::WRITE_ZEROES;
     /// Every virtio-blk feature the `blk` module understands.
     pub const BLK_ALL: u64 = BLK_SIZE_MAX
         | BLK_SEG_MAX
@@ -111,17 +116,17 @@ pub mod features {
         | BLK_DISCARD
         | BLK_WRITE_ZEROES;
     /// VIRTIO_RING_F_INDIRECT_DESC
-    pub const INDIRECT_DESC: u64 = 1 << 28;
+    pub const INDIRECT_DESC: u64 = ring::INDIRECT_DESC;
     /// VIRTIO_RING_F_EVENT_IDX
-    pub const EVENT_IDX: u64 = 1 << 29;
+    pub const EVENT_IDX: u64 = ring::EVENT_IDX;
     /// VHOST_USER_F_PROTOCOL_FEATURES
-    pub const PROTOCOL_FEATURES: u64 = 1 << 30;
+    pub const PROTOCOL_FEATURES: u64 = vhost::vhost_user::message::VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
     /// VIRTIO_F_VERSION_1
-    pub const VERSION_1: u64 = 1 << 32;
+    pub const VERSION_1: u64 = ring::VERSION_1;
     /// VIRTIO_F_RING_PACKED
-    pub const RING_PACKED: u64 = 1 << 34;
+    pub const RING_PACKED: u64 = ring::RING_PACKED;
     /// VIRTIO_F_IN_ORDER
-    pub const IN_ORDER: u64 = 1 << 35;
+    pub const IN_ORDER: u64 = ring::IN_ORDER;
 }
 
 /// Everything that can go wrong.

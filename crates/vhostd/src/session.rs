@@ -20,7 +20,7 @@ use crate::memory::{FrontendAddrs, FrontendRegion};
 use crate::worker::{RunState, Start, WorkerHandle};
 
 /// VHOST_USER_F_PROTOCOL_FEATURES
-const PROTOCOL_FEATURES: u64 = 1 << 30;
+const PROTOCOL_FEATURES: u64 = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
 
 /// A device and where its queue groups run: what a session serves, and
 /// what stays across connections.
