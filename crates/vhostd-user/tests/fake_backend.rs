@@ -383,12 +383,14 @@ fn hostile_used_entries_are_errors_not_panics() {
     // Stop the backend so only we touch the rings from here on.
     dev.get_vring_base(0).unwrap();
     let (_, _, used) = rx.queue.ring.split().unwrap().ring_ptrs();
-    // SAFETY (the closure's unsafe block): callers pass slot < 16, so every
-    // offset stays inside the 16-entry used ring, which is 4-aligned.
-    let put = |slot: usize, id: u32, len: u32, idx: u16| unsafe {
-        std::ptr::write_volatile(used.add(4 + 8 * slot) as *mut u32, id);
-        std::ptr::write_volatile(used.add(8 + 8 * slot) as *mut u32, len);
-        std::ptr::write_volatile(used.add(2) as *mut u16, idx);
+    let put = |slot: usize, id: u32, len: u32, idx: u16| {
+        // SAFETY: callers pass slot < 16, so every offset stays inside the
+        // 16-entry used ring, which is 4-aligned.
+        unsafe {
+            std::ptr::write_volatile(used.add(4 + 8 * slot) as *mut u32, id);
+            std::ptr::write_volatile(used.add(8 + 8 * slot) as *mut u32, len);
+            std::ptr::write_volatile(used.add(2) as *mut u16, idx);
+        }
     };
     // Length beyond the buffer: counted and dropped, buffer reposted.
     put(0, 0, 1 << 20, 1);

@@ -1,5 +1,8 @@
 //! The command line. Every value is checked here, so a bad argument exits
 //! with status 2 and a message naming it before anything is set up.
+// Doc comments here are clap's --help texts (and the man page), written in
+// the option syntax users type: brackets mean optional, not doc links.
+#![allow(rustdoc::broken_intra_doc_links)]
 
 use crate::spec;
 use clap::{Args, CommandFactory, Parser, Subcommand};

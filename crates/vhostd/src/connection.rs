@@ -4,7 +4,7 @@
 //! would leave a frontend waiting close the connection instead.
 //!
 //! The shim peeks at each message header (MSG_PEEK: nothing is consumed
-//! unless the shim answers) and looks the request up in [`OWN`], a table on
+//! unless the shim answers) and looks the request up in `OWN`, a table on
 //! the crate's own request codes.
 
 use std::io::{self, Read, Write};

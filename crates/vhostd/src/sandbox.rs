@@ -277,8 +277,8 @@ mod tests {
                 libc::_exit(0);
             }
         }
-        // SAFETY: close our write end; waitpid on our child.
         let mut status = 0;
+        // SAFETY: close our write end; waitpid on our child.
         unsafe {
             libc::close(p[1]);
             libc::waitpid(pid, &mut status, 0);

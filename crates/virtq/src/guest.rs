@@ -13,11 +13,11 @@
 //! - [`IoBufs`], guest buffers a request keeps past its batch: data lent to
 //!   the kernel for asynchronous I/O, and a status byte stored when it
 //!   completes. It holds the table alive for as long as it holds buffers.
-//! - The ring accessors ([`DescTable`], [`SplitRing`], [`PackedRing`]) that
+//! - The ring accessors (`DescTable`, `SplitRing`, `PackedRing`) that
 //!   the split and packed queues read and write their rings through; their
 //!   bounds follow from how they were built, so the hot path pays no check.
 //!
-//! Every store into guest memory passes [`GuestMemory::dirty`] (or, for the
+//! Every store into guest memory passes `GuestMemory::dirty` (or, for the
 //! rings, their own log hook): the one place where a dirty-page log
 //! ([`DirtyLog`]) marks what changed, for live migration. With no log set it
 //! costs one predictable branch.
@@ -939,8 +939,8 @@ pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
         // SAFETY: inside both ranges (caller); unaligned accesses.
         unsafe { (dst.add(off) as *mut T).write_unaligned((src.add(off) as *const T).read_unaligned()) }
     }
-    // SAFETY (every arm): each offset plus the size moved is at most n; the
-    // moves may overlap each other but never the other range.
+    // SAFETY: in every arm each offset plus the size moved is at most n;
+    // the moves may overlap each other but never the other range.
     unsafe {
         match n {
             8..=15 => {

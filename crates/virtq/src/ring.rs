@@ -52,11 +52,11 @@ pub const MAX_QUEUE_SIZE: u16 = 32768;
 pub fn desc_table_size(n: u16) -> u64 {
     DESC_SIZE * n as u64
 }
-/// Available ring size (flags, idx, ring[n], used_event).
+/// Available ring size (flags, idx, ring\[n\], used_event).
 pub fn avail_ring_size(n: u16) -> u64 {
     6 + 2 * n as u64
 }
-/// Used ring size (flags, idx, ring[n] of {id,len}, avail_event).
+/// Used ring size (flags, idx, ring\[n\] of {id,len}, avail_event).
 pub fn used_ring_size(n: u16) -> u64 {
     6 + 8 * n as u64
 }
