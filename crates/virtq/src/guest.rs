@@ -131,11 +131,31 @@ impl Mapping {
         Ok(Mapping { addr: addr as *mut u8, len: len as usize, sealed, guard: None })
     }
 
-    /// Anonymous shared memory of `len` bytes, zeroed (tests, logs).
+    /// Anonymous shared memory of `len` bytes, zeroed (tests, logs). Under
+    /// Miri, which cannot map memory, page-aligned heap memory stands in.
     pub fn anonymous(len: usize) -> io::Result<Mapping> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad mapping size"));
         }
+        #[cfg(miri)]
+        {
+            let layout = std::alloc::Layout::from_size_align(len, 4096)
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "bad mapping size"))?;
+            // SAFETY: the layout has a non-zero size (checked above).
+            let addr = unsafe { std::alloc::alloc_zeroed(layout) };
+            if addr.is_null() {
+                return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+            }
+            Ok(Mapping { addr, len, sealed: true, guard: None })
+        }
+        #[cfg(not(miri))]
+        {
+            Self::map_anonymous(len)
+        }
+    }
+
+    #[cfg(not(miri))]
+    fn map_anonymous(len: usize) -> io::Result<Mapping> {
         // SAFETY: a fresh anonymous mapping; the result is checked.
         let addr = unsafe {
             libc::mmap(
@@ -219,8 +239,15 @@ impl Drop for Mapping {
         drop(self.guard.take());
         // SAFETY: addr/len are exactly what mmap returned; nobody holds the
         // mapping any more, so no pointer into it is used after this.
+        #[cfg(not(miri))]
         unsafe {
             libc::munmap(self.addr as *mut libc::c_void, self.len);
+        }
+        // SAFETY: under Miri every mapping is `anonymous`'s heap memory,
+        // allocated with this layout.
+        #[cfg(miri)]
+        unsafe {
+            std::alloc::dealloc(self.addr, std::alloc::Layout::from_size_align_unchecked(self.len, 4096))
         }
     }
 }
