@@ -795,4 +795,44 @@ mod tests {
         assert!(!q.enable_notifications(), "slot 6 is not available");
         assert_eq!(q.vring_base(), 6 | 0x8000 | ((6 | 0x8000) << 16));
     }
+
+    #[test]
+    fn each_store_marks_its_page_at_the_time_it_is_made() {
+        // The log is cleared between the stores of one used descriptor: a
+        // migration may copy the page in between, so each store must mark
+        // it again (a page-level check at the end could not tell).
+        let logmap = Arc::new(Mapping::anonymous(4096).unwrap());
+        let log = Arc::new(crate::DirtyLog::new(logmap.clone(), 0, 4096).unwrap());
+        let mem = Arc::new(memory().with_log(Some(log.clone())));
+        let cfg = PackedConfig {
+            size: 8,
+            desc: RING,
+            driver: DRIVER,
+            device: DEVICE,
+            features: 0,
+            base: PACKED_BASE_INITIAL,
+        };
+        let mut q = PackedQueue::new(mem.clone(), cfg).unwrap();
+        avail(&mem, 0, BUFS, 60, 10, VRING_DESC_F_WRITE);
+        avail(&mem, 1, BUFS + 0x100, 60, 11, VRING_DESC_F_WRITE);
+        avail(&mem, 2, BUFS + 0x200, 60, 12, VRING_DESC_F_WRITE);
+        let page = |gpa: u64| gpa / crate::LOG_PAGE;
+        let clear = || logmap.fill(0, 4096, 0);
+        let mut b = Batch::new();
+        assert_eq!(q.pop_batch(&mut b, 1, Access::WriteOnly), 1);
+        clear();
+        q.add_used(10, 4);
+        assert!(log.is_marked(page(RING)), "len and id of the batch's first used descriptor");
+        clear();
+        q.publish_used();
+        assert!(log.is_marked(page(RING)), "its flags, stored at the publish");
+        assert_eq!(q.pop_batch(&mut b, 2, Access::WriteOnly), 2);
+        q.add_used(11, 4);
+        clear();
+        q.add_used(12, 4);
+        assert!(log.is_marked(page(RING + 32)), "a later used descriptor's single store");
+        clear();
+        q.disable_notifications();
+        assert!(log.is_marked(page(DEVICE)), "the device event area");
+    }
 }

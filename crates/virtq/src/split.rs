@@ -524,4 +524,34 @@ mod tests {
         assert_eq!(q.pop_batch(&mut b, 8, Access::ReadThenWrite), 0);
         assert!(q.is_broken());
     }
+
+    #[test]
+    fn each_store_marks_its_page_at_the_time_it_is_made() {
+        // The log is cleared between stores: a migration may copy a page in
+        // between, so each store must mark it again.
+        let logmap = Arc::new(Mapping::anonymous(4096).unwrap());
+        let log = Arc::new(crate::DirtyLog::new(logmap.clone(), 0, 4096).unwrap());
+        let mem = Arc::new(memory().with_log(Some(log.clone())));
+        let cfg = SplitConfig { size: 8, desc: DESC, avail: AVAIL, used: USED, features: 0, next_avail: 0 };
+        let mut q = SplitQueue::new(mem, cfg).unwrap();
+        let page = |gpa: u64| gpa / crate::LOG_PAGE;
+        let clear = || logmap.fill(0, 4096, 0);
+        clear();
+        q.add_used(0, 0);
+        assert!(log.is_marked(page(USED)), "the used element");
+        clear();
+        q.publish_used();
+        assert!(log.is_marked(page(USED)), "used.idx");
+        clear();
+        q.disable_notifications();
+        assert!(log.is_marked(page(USED)), "used.flags");
+        clear();
+        let mut ev = SplitQueue::new(
+            q.memory().clone(),
+            SplitConfig { size: 8, desc: DESC, avail: AVAIL, used: USED, features: features::EVENT_IDX, next_avail: 0 },
+        )
+        .unwrap();
+        ev.enable_notifications();
+        assert!(log.is_marked(page(USED + 4 + 8 * 8)), "avail_event");
+    }
 }
