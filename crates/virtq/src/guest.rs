@@ -1069,12 +1069,20 @@ struct RingLog {
 }
 
 impl RingLog {
+    /// Marks the ring bytes just stored: one predictable branch without a
+    /// log, the marking itself out of the hot path's way.
     #[inline(always)]
     fn mark(&self, gpa: u64, len: u64) {
         if let Some(log) = &self.log {
-            log.mark(gpa, len);
+            mark_ring(log, gpa, len);
         }
     }
+}
+
+#[cold]
+#[inline(never)]
+fn mark_ring(log: &DirtyLog, gpa: u64, len: u64) {
+    log.mark(gpa, len);
 }
 
 /// A table of `n` descriptors in guest memory: a ring's own table, or an
@@ -1109,6 +1117,17 @@ impl DescTable {
         }
         // SAFETY: i < n and the table was translated with n * 16 bytes.
         unsafe { read_desc_words(self.host.add(i as usize * 16)) }
+    }
+
+    /// Descriptors `i..i + 4` (see `read`), with one bounds check; None
+    /// past the end.
+    #[inline(always)]
+    pub(crate) fn read4(&self, i: u16) -> Option<[(u64, u64); 4]> {
+        if i as usize + 4 > self.n as usize {
+            return None;
+        }
+        // SAFETY: i + 4 <= n and the table was translated with n * 16 bytes.
+        Some(std::array::from_fn(|k| unsafe { read_desc_words(self.host.add((i as usize + k) * 16)) }))
     }
 
     /// Starts fetching descriptor `i`'s line (no effect on correctness).
@@ -1306,6 +1325,21 @@ impl PackedRing {
         u16::from_le(unsafe {
             std::ptr::read_volatile(self.desc.host.add(slot as usize * 16 + DESC_FLAGS) as *const u16)
         })
+    }
+
+    /// The flags words of the three slots after `slot`, with one bounds
+    /// check; None past the end.
+    #[inline(always)]
+    pub(crate) fn flags_after(&self, slot: u16) -> Option<[u16; 3]> {
+        if slot as usize + 4 > self.desc.n as usize {
+            return None;
+        }
+        // SAFETY: slot + 3 < size: inside the ring, 2-aligned flags fields.
+        Some(std::array::from_fn(|k| unsafe {
+            u16::from_le(std::ptr::read_volatile(
+                self.desc.host.add((slot as usize + 1 + k) * 16 + DESC_FLAGS) as *const u16
+            ))
+        }))
     }
 
     /// Stores the slot's flags word (the store that publishes a used descriptor).

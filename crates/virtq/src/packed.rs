@@ -112,7 +112,6 @@ struct Popped {
 pub struct PackedQueue {
     mem: Arc<GuestMemory>,
     cfg: PackedConfig,
-    size: u16,
     ring: PackedRing,
     event_idx: bool,
     indirect: bool,
@@ -146,7 +145,11 @@ struct PDesc {
 impl PDesc {
     #[inline(always)]
     fn read(table: &DescTable, i: u16) -> PDesc {
-        let (addr, rest) = table.read(i);
+        PDesc::from_words(table.read(i))
+    }
+
+    #[inline(always)]
+    fn from_words((addr, rest): (u64, u64)) -> PDesc {
         PDesc { addr, len: rest as u32, id: (rest >> 32) as u16, flags: (rest >> 48) as u16 }
     }
 }
@@ -190,7 +193,6 @@ impl PackedQueue {
         Ok(PackedQueue {
             mem,
             cfg,
-            size: n,
             ring,
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
@@ -230,7 +232,7 @@ impl PackedQueue {
 
     /// Queue size.
     pub fn size(&self) -> u16 {
-        self.size
+        self.ring.desc.len()
     }
 
     /// The memory table this ring reads.
@@ -279,12 +281,12 @@ impl PackedQueue {
         if self.broken {
             return 0;
         }
-        let want = self.size;
+        let want = self.ring.desc.len();
         let mut pos = self.next_avail;
         let mut chains = 0;
         let mut seen = 0u16;
         let mut in_chain = false;
-        while chains < want && seen < self.size {
+        while chains < want && seen < self.ring.desc.len() {
             let f = self.slot_flags(pos.idx);
             if !Self::is_avail(f, pos.wrap) {
                 break;
@@ -294,7 +296,7 @@ impl PackedQueue {
             if !in_chain {
                 chains += 1;
             }
-            pos = pos.advance(1, self.size);
+            pos = pos.advance(1, self.ring.desc.len());
         }
         if in_chain && chains < want {
             chains += 1;
@@ -315,7 +317,7 @@ impl PackedQueue {
         // only after it is used, so a chain that needs more than these wrote
         // over descriptors still in flight. Counted down here rather than
         // recomputed per chain.
-        let mut room = (self.size as u32).saturating_sub(self.slots_in_flight());
+        let mut room = (self.ring.desc.len() as u32).saturating_sub(self.slots_in_flight());
         self.prefetch_next_slot();
         // At most `size` chains can be popped and not yet used.
         while batch.chains.len() < max && self.popped_len < self.popped.len() {
@@ -341,7 +343,7 @@ impl PackedQueue {
             let d = PDesc::read(&self.ring.desc, pos.idx);
             if take_single(batch, &self.mem, &mut self.region_hint, d.id, d.addr, d.len, d.flags, access) {
                 self.push_popped(pos, 1, d.id);
-                self.next_avail = pos.advance(1, self.size);
+                self.next_avail = pos.advance(1, self.ring.desc.len());
                 self.stats.fast_chains += 1;
                 room -= 1;
                 continue;
@@ -361,7 +363,7 @@ impl PackedQueue {
                     let id = chain.head;
                     batch.chains.push(chain);
                     self.push_popped(pos, ndesc, id);
-                    self.next_avail = pos.advance(ndesc, self.size);
+                    self.next_avail = pos.advance(ndesc, self.ring.desc.len());
                     room -= ndesc as u32;
                 }
                 Walk::Done(Err(_), _, _) if !batch.chains.is_empty() || self.popped_len != 0 => {
@@ -377,7 +379,7 @@ impl PackedQueue {
                     // Popped and used at once (nothing was in flight): no
                     // change to `room`.
                     self.push_popped(pos, ndesc, id);
-                    self.next_avail = pos.advance(ndesc, self.size);
+                    self.next_avail = pos.advance(ndesc, self.ring.desc.len());
                     self.add_used(id, 0);
                 }
             }
@@ -393,12 +395,12 @@ impl PackedQueue {
     /// chains popped and not yet used.
     #[inline]
     fn slots_in_flight(&self) -> u32 {
-        let (a, u) = (self.next_avail.linear(self.size), self.next_used.linear(self.size));
+        let (a, u) = (self.next_avail.linear(self.ring.desc.len()), self.next_used.linear(self.ring.desc.len()));
         // Positions on a cycle of 2 x size; no division on this path.
         if a >= u {
             a - u
         } else {
-            a + 2 * self.size as u32 - u
+            a + 2 * self.ring.desc.len() as u32 - u
         }
     }
 
@@ -407,7 +409,7 @@ impl PackedQueue {
     /// `access` wants and inside guest memory; otherwise takes nothing.
     #[inline]
     fn pop4(&mut self, pos: Pos, batch: &mut Batch, access: Access) -> bool {
-        if pos.idx as u32 + 4 > self.size as u32 || self.popped.len() - self.popped_len < 4 {
+        if pos.idx as u32 + 4 > self.ring.desc.len() as u32 || self.popped.len() - self.popped_len < 4 {
             return false;
         }
         let want_dir = match access {
@@ -422,16 +424,16 @@ impl PackedQueue {
             | VRING_DESC_F_INDIRECT
             | VRING_DESC_F_WRITE;
         let want = avail | want_dir;
-        for k in 1..4 {
-            if self.slot_flags(pos.idx + k) & mask != want {
-                return false;
-            }
+        let Some(next) = self.ring.flags_after(pos.idx) else { return false };
+        if next.iter().any(|&f| f & mask != want) {
+            return false;
         }
         fence(Ordering::Acquire);
+        let Some(words) = self.ring.desc.read4(pos.idx) else { return false };
         let mut d = [PDesc { addr: 0, len: 0, id: 0, flags: 0 }; 4];
         let mut segs = [Seg::default(); 4];
         for k in 0..4 {
-            d[k] = PDesc::read(&self.ring.desc, pos.idx + k as u16);
+            d[k] = PDesc::from_words(words[k]);
             if d[k].len == 0 || d[k].flags & mask != want {
                 return false;
             }
@@ -444,17 +446,18 @@ impl PackedQueue {
         for s in &segs {
             s.prefetch(write);
         }
-        // Appended four at a time: one capacity check per array, not one per chain.
         let seg_start = batch.segs.len() as u32;
-        batch.segs.extend_from_slice(&segs);
-        batch.chains.extend_from_slice(&std::array::from_fn::<_, 4, _>(|k| Chain {
-            head: d[k].id,
-            seg_start: seg_start + k as u32,
-            n_read: !write as u16,
-            n_write: write as u16,
-            read_len: if write { 0 } else { d[k].len },
-            write_len: if write { d[k].len } else { 0 },
-        }));
+        for (k, s) in segs.iter().enumerate() {
+            batch.segs.push(*s);
+            batch.chains.push(Chain {
+                head: d[k].id,
+                seg_start: seg_start + k as u32,
+                n_read: !write as u16,
+                n_write: write as u16,
+                read_len: if write { 0 } else { d[k].len },
+                write_len: if write { d[k].len } else { 0 },
+            });
+        }
         // pos.idx + 4 <= size (checked above): the four slots do not wrap.
         let tail = self.popped_head + self.popped_len;
         let n = self.popped.len();
@@ -468,7 +471,7 @@ impl PackedQueue {
                 self.push_popped(Pos { idx: pos.idx + k as u16, wrap: pos.wrap }, 1, dk.id);
             }
         }
-        self.next_avail = pos.advance(4, self.size);
+        self.next_avail = pos.advance(4, self.ring.desc.len());
         self.stats.fast_chains += 4;
         self.stats.batch4 += 1;
         // The next group's line, while this one is copied.
@@ -502,7 +505,7 @@ impl PackedQueue {
         let mut pos = start;
         let mut n = 0u16;
         loop {
-            if n == self.size {
+            if n == self.ring.desc.len() {
                 // Every slot carries NEXT: a chain longer than the ring.
                 return Walk::Broken(ChainError::TooLong);
             }
@@ -520,7 +523,7 @@ impl PackedQueue {
                 let id = d.id;
                 return Walk::Done(result.and_then(|_| walk.finish(id)), n, id);
             }
-            pos = pos.advance(1, self.size);
+            pos = pos.advance(1, self.ring.desc.len());
         }
     }
 
@@ -568,7 +571,7 @@ impl PackedQueue {
 
     /// Completes the oldest popped chain with buffer id `id` and `len` bytes
     /// written; invisible to the driver until `publish_used`.
-    #[inline]
+    #[inline(always)]
     pub fn add_used(&mut self, id: u16, len: u32) {
         if self.popped_len == 0 {
             return;
@@ -591,7 +594,7 @@ impl PackedQueue {
             // descriptor instead of three.
             self.ring.set_len_id_flags(slot, len, id, flags);
         }
-        self.next_used = self.next_used.advance(p.ndesc, self.size);
+        self.next_used = self.next_used.advance(p.ndesc, self.ring.desc.len());
     }
 
     /// Completes the popped chain with buffer id `id` (the oldest such, if a
@@ -632,7 +635,7 @@ impl PackedQueue {
                 }
                 let p = &mut self.popped[self.popped_head];
                 // A batch never exceeds the ring, so the sum fits.
-                p.ndesc = (slots + p.ndesc as u32).min(self.size as u32) as u16;
+                p.ndesc = (slots + p.ndesc as u32).min(self.ring.desc.len() as u32) as u16;
                 self.add_used(last.head, 0);
                 self.stats.used_skipped += chains.len() as u64 - 1;
             }
@@ -684,11 +687,15 @@ impl PackedQueue {
                     return true;
                 }
                 let ev = Pos::decode(self.ring.driver_event_off_wrap());
-                if ev.idx >= self.size {
+                if ev.idx >= self.ring.desc.len() {
                     return true;
                 }
-                let m = 2 * self.size as u32;
-                let (e, n, o) = (ev.linear(self.size), new.linear(self.size), old.linear(self.size));
+                let m = 2 * self.ring.desc.len() as u32;
+                let (e, n, o) = (
+                    ev.linear(self.ring.desc.len()),
+                    new.linear(self.ring.desc.len()),
+                    old.linear(self.ring.desc.len()),
+                );
                 // The event position lies in [old, new): it was just used.
                 (n + m - e - 1) % m < (n + m - o) % m
             }
