@@ -382,7 +382,7 @@ fuzz_target!(|data: &[u8]| {
                     run.q.flush_used();
                     run.published();
                     let mem = g.table(a as usize);
-                    if let Ok(q) = run.q.remap(mem.clone()) {
+                    if let Ok(q) = run.q.remap(mem.clone(), run.q.addrs()) {
                         let (old, new) = (run.q.vring_base(), q.vring_base());
                         assert_eq!(new, old, "vring base kept across a remap");
                         run.q = q;

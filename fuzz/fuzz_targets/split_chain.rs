@@ -300,7 +300,7 @@ fuzz_target!(|data: &[u8]| {
             }
             14 => {
                 let mem = g.table(a as usize);
-                if let Ok(q) = run.q.remap(mem.clone()) {
+                if let Ok(q) = run.q.remap(mem.clone(), run.q.addrs()) {
                     assert_eq!((q.next_avail(), q.next_used()), (run.q.next_avail(), run.q.next_used()));
                     run.q = q;
                     run.mem = mem;

@@ -125,8 +125,8 @@ pub fn check_seg(mem: &GuestMemory, seg: &Seg) {
     let start = seg.host_addr();
     let end = start.checked_add(seg.len() as usize).expect("segment end overflows");
     let inside = mem.regions().iter().any(|r| {
-        let h = mem.host_addr(r.gpa).expect("a region's start is in the table");
-        start >= h && end <= h + r.size as usize
+        let h = mem.host_addr(r.gpa()).expect("a region's start is in the table");
+        start >= h && end <= h + r.size() as usize
     });
     assert!(inside, "segment {:#x}+{:#x} outside every region of the memory table", start, seg.len());
 }

@@ -406,8 +406,9 @@ impl BlkQueue {
         for k in 0..n {
             let i = self.done[k] as usize;
             let slot = &mut self.slots[i];
-            if slot.status == status::OK && slot.kind == types::IN {
-                // The kernel wrote the data: the dirty log must hear of it.
+            if slot.kind == types::IN && slot.bytes > 0 {
+                // The kernel may have written the data (all of it, or some
+                // before an error): the dirty log must hear of it.
                 slot.io.data_written();
             }
             let answered = slot.io.write_status(slot.status);
@@ -558,15 +559,17 @@ impl BlkQueue {
                     return fail(slot, status::UNSUPP, &mut self.stats);
                 }
                 // Exactly one range (max_discard_seg / max_write_zeroes_seg = 1).
-                let mut r = [0u8; 16];
-                if read_len as usize != HEADER_LEN + 16 || readable.read(HEADER_LEN, &mut r) != 16 {
+                let mut r = [0u8; wire::RANGE_LEN];
+                if read_len as usize != HEADER_LEN + wire::RANGE_LEN
+                    || readable.read(HEADER_LEN, &mut r) != wire::RANGE_LEN
+                {
                     return fail(slot, status::UNSUPP, &mut self.stats);
                 }
                 let start = u64::from_le_bytes(r[0..8].try_into().unwrap_or([0; 8]));
                 let count = u32::from_le_bytes(r[8..12].try_into().unwrap_or([0; 4]));
                 let flags = u32::from_le_bytes(r[12..16].try_into().unwrap_or([0; 4]));
                 // Discard takes no flags; write-zeroes only UNMAP (bit 0).
-                if (discard && flags != 0) || (!discard && flags & !1 != 0) {
+                if (discard && flags != 0) || (!discard && flags & !wire::RANGE_F_UNMAP != 0) {
                     return fail(slot, status::UNSUPP, &mut self.stats);
                 }
                 if count > MAX_RANGE_SECTORS {
@@ -583,7 +586,8 @@ impl BlkQueue {
                 }
                 // Unmap only where the config space says it may
                 // (write_zeroes_may_unmap follows discard=on).
-                let op = if discard { Op::Discard } else { Op::WriteZeroes { unmap: flags & 1 != 0 && disk.discard } };
+                let unmap = flags & wire::RANGE_F_UNMAP != 0;
+                let op = if discard { Op::Discard } else { Op::WriteZeroes { unmap: unmap && disk.discard } };
                 (op, offset, bytes, false)
             }
             _ => return fail(slot, status::UNSUPP, &mut self.stats),

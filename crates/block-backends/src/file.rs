@@ -452,6 +452,11 @@ impl Drop for FileBackend {
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if e.raw_os_error() != Some(libc::EINTR) {
                     tracing::warn!("io_uring: {} requests still in flight at close: {e}", self.in_flight());
+                    // The kernel may still write into their buffers: keep
+                    // their memory mapped (and the iovecs it reads) for good
+                    // rather than let it be unmapped under it.
+                    std::mem::forget(std::mem::take(&mut self.slab.holds));
+                    std::mem::forget(std::mem::take(&mut self.slab.iovecs));
                     return;
                 }
             }

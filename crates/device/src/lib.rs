@@ -45,8 +45,9 @@ pub trait Device: Send + Sync {
     /// The largest ring a driver may set up.
     fn max_queue_size(&self) -> u16;
     /// Where virtqueue `index` runs once the driver acked `features`; None
-    /// if there is no such queue. Before features are acked (0) every queue
-    /// the device may have is placed.
+    /// if there is no such queue. Before features are acked (0) every data
+    /// queue the device may have is placed; a queue that only a feature
+    /// brings (net's control queue) is placed once that feature is acked.
     fn place(&self, index: u16, features: u64) -> Option<RingPlace>;
     /// The config space bytes [offset, offset + len); None when the range
     /// is not one the device serves.

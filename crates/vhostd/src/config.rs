@@ -134,12 +134,12 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
             if e.name == d.name {
                 return Err(format!("{}: device name `{}` is used twice", at(*off), d.name));
             }
-            if e.endpoint.path().is_some() && e.endpoint.path() == d.endpoint.path() {
+            if let Some(path) = d.endpoint.path().filter(|&p| e.endpoint.path() == Some(p)) {
                 return Err(format!(
                     "{}: device `{}`: socket-path {} is also device `{}`'s",
                     at(*off),
                     d.name,
-                    d.endpoint.describe(),
+                    path.display(),
                     e.name
                 ));
             }

@@ -13,7 +13,7 @@ use vhost::vhost_user::{Error as VuError, Result as VuResult};
 use vhost::VhostUserMemoryRegionBase;
 use vhostd_device::{Device, InflightLog, RingPlace};
 use virtq::ring::features as ring_features;
-use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, SplitConfig, SplitQueue};
+use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, RingAddrs, SplitConfig, SplitQueue};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::memory::{FrontendAddrs, FrontendRegion};
@@ -287,7 +287,13 @@ impl Session {
         self.addrs = addrs;
         for v in self.vrings.iter_mut() {
             if let Some(q) = v.parked.take() {
-                match q.remap(self.mem.clone()) {
+                // Ring addresses are the frontend's: the new table may put
+                // them at other guest-physical addresses.
+                let at = (|| {
+                    let gpa = |uaddr| self.addrs.to_gpa(uaddr).ok_or(virtq::SetupError::NotMapped);
+                    Ok(RingAddrs { desc: gpa(v.desc)?, driver: gpa(v.avail)?, device: gpa(v.used)? })
+                })();
+                match at.and_then(|at| q.remap(self.mem.clone(), at)) {
                     Ok(q) => v.parked = Some(q),
                     Err(e) => {
                         // The ring now points outside memory: it stays stopped.
@@ -432,7 +438,9 @@ impl VhostUserBackendReqHandlerMut for Session {
             let fr = FrontendRegion { gpa: r.guest_phys_addr, size: r.memory_size, uaddr: r.user_addr };
             addrs = addrs.with(fr).map_err(|_| err("memory regions overlap"))?;
         }
+        // A dirty log set before stays on: the table changes, the log does not.
         let mem = GuestMemory::from_regions(regions).map_err(|_| err("memory regions overlap"))?;
+        let mem = mem.with_log(self.mem.log().cloned());
         self.region_refs = addrs.regions().iter().map(|r| ((r.gpa, r.size, r.uaddr), 1)).collect();
         self.replace_memory(mem, addrs)?;
         Ok(None)

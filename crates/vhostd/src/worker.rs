@@ -425,8 +425,14 @@ impl Worker {
     }
 
     fn attach(&mut self, group: usize, slot: usize, start: Start) {
-        let Some(k) = self.unit_of(group) else { return };
+        // The device placed the ring here: a group or slot the worker does
+        // not have is a bug in the device's `place`, not guest input.
+        let Some(k) = self.unit_of(group) else {
+            tracing::error!(group, slot, "ring placed in a group this worker does not run; left stopped");
+            return;
+        };
         if slot >= self.units[k].rings.len() {
+            tracing::error!(group, slot, "ring placed in a slot its group does not have; left stopped");
             return;
         }
         // A ring already there goes first (the session never does this).

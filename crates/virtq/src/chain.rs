@@ -75,15 +75,24 @@ impl Batch {
     #[inline]
     pub(crate) fn start(&mut self, mem: &Arc<GuestMemory>) {
         self.clear();
-        self.hold(mem);
-    }
-
-    /// Makes sure the batch holds `mem` (segments about to be added lie in it).
-    #[inline]
-    pub(crate) fn hold(&mut self, mem: &Arc<GuestMemory>) {
         if !Arc::ptr_eq(&self.mem, mem) {
             self.mem = mem.clone();
         }
+    }
+
+    /// Makes sure the batch holds `mem` before segments of it are added to
+    /// the chains already there: false (nothing changed) when those lie in
+    /// another table, which the batch would stop holding.
+    #[inline]
+    pub(crate) fn hold(&mut self, mem: &Arc<GuestMemory>) -> bool {
+        if Arc::ptr_eq(&self.mem, mem) {
+            return true;
+        }
+        if !self.segs.is_empty() {
+            return false;
+        }
+        self.mem = mem.clone();
+        true
     }
 
     /// Number of chains.

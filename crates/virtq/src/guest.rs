@@ -1,6 +1,7 @@
 //! The fence around guest memory. This module owns every raw pointer into
-//! memory a guest (or a frontend) shares with vhostd; nothing else in the
-//! workspace dereferences one. What leaves it is opaque or checked:
+//! memory a guest (or a frontend) shares with vhostd; nothing else on the
+//! device side dereferences one (the driver side, crates/virtq-driver, maps
+//! its own memory). What leaves it is opaque or checked:
 //!
 //! - [`GuestMemory`], the memory table: regions mapped once, guest-physical
 //!   addresses translated with bounds checks. Immutable once built: a change
@@ -25,7 +26,11 @@
 //! Guest memory is shared with a guest that may write it at any time: it is
 //! outside Rust's memory model. This side touches it only through raw
 //! pointers (volatile loads and stores for ring fields, plain copies for
-//! buffers), never through references.
+//! buffers), never through references. Concurrent accesses to the same
+//! bytes (the guest's, or two threads' through this module) are races in
+//! Rust's abstract model that the hardware resolves byte by byte; like
+//! vm-memory, this module assumes that, and the devices never rely on the
+//! value of bytes a guest changes under them beyond their checks.
 
 use std::fs::File;
 use std::io;
@@ -244,7 +249,8 @@ impl Drop for Mapping {
             libc::munmap(self.addr as *mut libc::c_void, self.len);
         }
         // SAFETY: under Miri every mapping is `anonymous`'s heap memory,
-        // allocated with this layout.
+        // allocated with this layout (`map` needs a file mapping, which Miri
+        // cannot make, so it never returns one).
         #[cfg(miri)]
         unsafe {
             std::alloc::dealloc(self.addr, std::alloc::Layout::from_size_align_unchecked(self.len, 4096))
@@ -254,13 +260,12 @@ impl Drop for Mapping {
 
 // ---- the memory table --------------------------------------------------------
 
-/// One region of the memory table.
+/// One region of the memory table. Its fields are fixed at construction,
+/// where they were checked against the mapping.
 #[derive(Clone, Debug)]
 pub struct Region {
-    /// Guest-physical start address.
-    pub gpa: u64,
-    /// Size in bytes.
-    pub size: u64,
+    gpa: u64,
+    size: u64,
     host: *mut u8,
     mapping: Arc<Mapping>,
 }
@@ -281,6 +286,16 @@ impl Region {
         // SAFETY: offset + size <= mapping.len, checked above.
         let host = unsafe { mapping.addr.add(offset as usize) };
         Ok(Region { gpa, size, host, mapping })
+    }
+
+    /// Guest-physical start address.
+    pub fn gpa(&self) -> u64 {
+        self.gpa
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
     }
 
     /// The mapping behind the region.
@@ -491,8 +506,12 @@ impl GuestMemory {
 
     /// Guest buffer [gpa, gpa+len) appended to `out` as data lent for I/O
     /// (tests and callers that hold guest addresses rather than chains).
-    /// False if part of it is not in the table (`out` is then unchanged).
+    /// False if part of it is not in the table, or `out` holds buffers of
+    /// another table (`out` is then unchanged).
     pub fn lend(self: &Arc<Self>, gpa: u64, len: u64, out: &mut IoBufs) -> bool {
+        if !out.can_hold(self) {
+            return false;
+        }
         let before = out.data.len();
         if !self.for_each_seg(gpa, len, &mut 0, |s| out.data.push(s)) {
             out.data.truncate(before);
@@ -511,16 +530,18 @@ impl GuestMemory {
         }
     }
 
-    /// The dirty log's slow path: finds the region of a host address.
+    /// The dirty log's slow path: marks the guest-physical pages of the host
+    /// bytes [host, host+len) in every region that maps them (regions may
+    /// alias one mapping: a store is then a change at each address).
     #[cold]
     #[inline(never)]
     fn mark_host(&self, log: &DirtyLog, host: *const u8, len: usize) {
-        let h = host as usize;
+        let (start, end) = (host as usize, (host as usize).saturating_add(len));
         for r in &self.regions {
-            let off = h.wrapping_sub(r.host as usize);
-            if (off as u64) < r.size {
-                log.mark(r.gpa + off as u64, len as u64);
-                return;
+            let (rs, re) = (r.host as usize, (r.host as usize).saturating_add(r.size as usize));
+            let (s, e) = (start.max(rs), end.min(re));
+            if s < e {
+                log.mark(r.gpa + (s - rs) as u64, (e - s) as u64);
             }
         }
     }
@@ -804,7 +825,8 @@ impl<'a> GuestBufs<'a> {
 
     /// Appends the bytes from `skip` on, `limit` at most, to `out` as data
     /// lent for I/O. False (and `out`'s data as it was) if that takes more
-    /// than `max_pieces` pieces in all or a piece longer than `max_piece`.
+    /// than `max_pieces` pieces in all or a piece longer than `max_piece`,
+    /// or `out` holds buffers of another memory table.
     pub fn lend(
         &self,
         mut skip: usize,
@@ -813,6 +835,9 @@ impl<'a> GuestBufs<'a> {
         max_piece: usize,
         out: &mut IoBufs,
     ) -> bool {
+        if !out.can_hold(self.mem) {
+            return false;
+        }
         let before = out.data.len();
         for s in self.segs {
             if limit == 0 {
@@ -838,9 +863,13 @@ impl<'a> GuestBufs<'a> {
     }
 
     /// Makes the last byte of the buffers `out`'s status byte (stored when
-    /// the request completes). False when there are no buffers.
+    /// the request completes). False when there are no buffers, or `out`
+    /// holds buffers of another memory table.
     pub fn lend_last_byte(&self, out: &mut IoBufs) -> bool {
         let Some(s) = self.segs.last() else { return false };
+        if !out.can_hold(self.mem) {
+            return false;
+        }
         // SAFETY: segments in a chain are never empty, so len - 1 is inside.
         out.status = Some(Seg { addr: unsafe { s.addr.add(s.len as usize - 1) }, len: 1 });
         out.hold(self.mem);
@@ -879,7 +908,14 @@ impl IoBufs {
         IoBufs { mem: None, data: Vec::with_capacity(n), status: None }
     }
 
+    /// Whether buffers of `mem` may join: the ones held are of the same
+    /// table, or there are none (one hold keeps them all mapped).
+    fn can_hold(&self, mem: &Arc<GuestMemory>) -> bool {
+        self.mem.as_ref().is_none_or(|m| Arc::ptr_eq(m, mem)) || (self.data.is_empty() && self.status.is_none())
+    }
+
     fn hold(&mut self, mem: &Arc<GuestMemory>) {
+        debug_assert!(self.can_hold(mem));
         if !self.mem.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
             self.mem = Some(mem.clone());
         }
@@ -900,11 +936,6 @@ impl IoBufs {
     /// Data bytes.
     pub fn data_len(&self) -> u64 {
         self.data.iter().map(|s| s.len as u64).sum()
-    }
-
-    /// Whether a status byte is set.
-    pub fn has_status(&self) -> bool {
-        self.status.is_some()
     }
 
     /// The data pieces as (address, length), for the kernel (an io_uring
@@ -1418,7 +1449,9 @@ impl PackedRing {
 unsafe impl Send for SplitRing {}
 // SAFETY: as SplitRing.
 unsafe impl Send for PackedRing {}
-// SAFETY: a descriptor table's pointer is kept mapped by its queue or batch.
+// SAFETY: a descriptor table's pointer is kept mapped by the queue that
+// translated it (its ring's table, or an indirect table used while the
+// queue walks a chain).
 unsafe impl Send for DescTable {}
 
 #[cfg(test)]
@@ -1640,5 +1673,38 @@ mod tests {
         assert!(!log.is_marked(page(0x13000)), "lent, not yet written");
         io.data_written();
         assert!(log.is_marked(page(0x13000)));
+    }
+
+    #[test]
+    fn io_bufs_hold_one_table_only() {
+        // One MemoryHold covers all of an IoBufs' pieces: pieces of a second
+        // table would stay unheld, so lending them is refused.
+        let (a, b) = (table(), table());
+        let mut io = IoBufs::default();
+        assert!(a.lend(0x1000, 16, &mut io));
+        assert!(!b.lend(0x1000, 16, &mut io), "a second table");
+        let segs = vec![b.seg(0x1000, 64, &mut 0).unwrap()];
+        let v = GuestBufs::new(&segs, &b);
+        assert!(!v.lend(0, 16, 4, 4096, &mut io));
+        assert!(!v.lend_last_byte(&mut io));
+        assert_eq!((io.pieces(), io.data_len()), (1, 16), "unchanged after the refusals");
+        assert!(a.lend(0x2000, 16, &mut io), "the same table still joins");
+        io.clear();
+        assert!(v.lend(0, 16, 4, 4096, &mut io), "an emptied IoBufs takes any table");
+        assert!(v.lend_last_byte(&mut io));
+    }
+
+    #[test]
+    fn a_store_to_aliased_memory_marks_every_address_of_it() {
+        // Two regions over the same pages: a write through one changes both.
+        let m = Arc::new(Mapping::anonymous(4096).unwrap());
+        let logmap = Arc::new(Mapping::anonymous(4096).unwrap());
+        let log = Arc::new(DirtyLog::new(logmap, 0, 4096).unwrap());
+        let a = Region::new(0x10000, 4096, m.clone(), 0).unwrap();
+        let b = Region::new(0x40000, 4096, m, 0).unwrap();
+        let mem = Arc::new(GuestMemory::from_regions(vec![a, b]).unwrap().with_log(Some(log.clone())));
+        let segs = vec![mem.seg(0x10010, 64, &mut 0).unwrap()];
+        GuestBufs::new(&segs, &mem).write(0, &[7; 8]);
+        assert!(log.is_marked(0x10000 / LOG_PAGE) && log.is_marked(0x40000 / LOG_PAGE));
     }
 }

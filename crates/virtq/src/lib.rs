@@ -27,5 +27,5 @@ pub use guest::{
     DirtyLog, GuestBufs, GuestMemory, IoBufs, Mapping, MemoryError, MemoryHold, Region, Seg, LOG_PAGE, MAX_REGIONS,
 };
 pub use packed::{PackedConfig, PackedQueue, PACKED_BASE_INITIAL};
-pub use queue::Queue;
+pub use queue::{Queue, RingAddrs};
 pub use split::{SplitConfig, SplitQueue};

@@ -26,7 +26,7 @@
 use crate::chain::{check_indirect, overlaps, take_single, ChainWalk};
 use crate::guest::{DescTable, GuestMemory, PackedRing, Seg};
 use crate::ring::*;
-use crate::{Access, Batch, Chain, ChainError, QueueStats, SetupError};
+use crate::{Access, Batch, Chain, ChainError, QueueStats, RingAddrs, SetupError};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
@@ -212,11 +212,12 @@ impl PackedQueue {
         })
     }
 
-    /// The same ring over a new memory table, keeping position and counters.
-    /// Call with nothing popped and unused (the ring is stopped).
-    pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<PackedQueue, SetupError> {
+    /// The same ring over a new memory table, at `at` in it, keeping
+    /// position, counters and chains in flight.
+    pub fn remap(&self, mem: Arc<GuestMemory>, at: RingAddrs) -> Result<PackedQueue, SetupError> {
         let mut cfg = self.cfg;
         cfg.base = self.vring_base();
+        (cfg.desc, cfg.driver, cfg.device) = (at.desc, at.driver, at.device);
         let mut q = PackedQueue::new(mem, cfg)?;
         // Positions and chains in flight carry over as they are (the base
         // encoding cannot say "used at slot 0 of the second lap").
@@ -228,6 +229,11 @@ impl PackedQueue {
         q.stats = self.stats;
         q.broken = self.broken;
         Ok(q)
+    }
+
+    /// Where the ring's areas sit in guest-physical memory.
+    pub fn addrs(&self) -> RingAddrs {
+        RingAddrs { desc: self.cfg.desc, driver: self.cfg.driver, device: self.cfg.device }
     }
 
     /// Queue size.

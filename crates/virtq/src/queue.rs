@@ -7,6 +7,19 @@ use crate::split::SplitQueue;
 use crate::{Access, Batch, Chain, QueueStats, SetupError};
 use std::sync::Arc;
 
+/// The guest-physical addresses of a ring's three areas: split rings call
+/// them descriptor table, available ring and used ring; packed rings
+/// descriptor ring, driver and device event suppression.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingAddrs {
+    /// Descriptor table or ring.
+    pub desc: u64,
+    /// Available ring (split) or driver event suppression (packed).
+    pub driver: u64,
+    /// Used ring (split) or device event suppression (packed).
+    pub device: u64,
+}
+
 /// A split or packed virtqueue, device side.
 pub enum Queue {
     /// Split ring (virtio 1.2, 2.7).
@@ -65,12 +78,18 @@ impl Queue {
         each!(self, q => &mut q.stats)
     }
 
-    /// The same ring over a new memory table.
-    pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<Queue, SetupError> {
+    /// The same ring over a new memory table, at `at` in it (a table change
+    /// can move the ring's guest-physical addresses).
+    pub fn remap(&self, mem: Arc<GuestMemory>, at: RingAddrs) -> Result<Queue, SetupError> {
         Ok(match self {
-            Queue::Split(q) => Queue::Split(q.remap(mem)?),
-            Queue::Packed(q) => Queue::Packed(q.remap(mem)?),
+            Queue::Split(q) => Queue::Split(q.remap(mem, at)?),
+            Queue::Packed(q) => Queue::Packed(q.remap(mem, at)?),
         })
+    }
+
+    /// Where the ring's areas sit in guest-physical memory.
+    pub fn addrs(&self) -> RingAddrs {
+        each!(self, q => q.addrs())
     }
 
     /// How many chains to plan for, up to `want` (split: at least

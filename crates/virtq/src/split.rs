@@ -16,7 +16,7 @@
 use crate::chain::{check_indirect, overlaps, take_single, ChainWalk};
 use crate::guest::{DescTable, GuestMemory, SplitRing};
 use crate::ring::*;
-use crate::{Access, Batch, Chain, ChainError, QueueStats, SetupError};
+use crate::{Access, Batch, Chain, ChainError, QueueStats, RingAddrs, SetupError};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
@@ -116,16 +116,22 @@ impl SplitQueue {
     }
 
     /// The same ring over a new memory table (after SET_MEM_TABLE or
-    /// ADD/REM_MEM_REG), keeping its position and counters.
-    pub fn remap(&self, mem: Arc<GuestMemory>) -> Result<SplitQueue, SetupError> {
+    /// ADD/REM_MEM_REG), at `at` in it, keeping its position and counters.
+    pub fn remap(&self, mem: Arc<GuestMemory>, at: RingAddrs) -> Result<SplitQueue, SetupError> {
         let mut cfg = self.cfg;
         cfg.next_avail = self.next_avail;
+        (cfg.desc, cfg.avail, cfg.used) = (at.desc, at.driver, at.device);
         let mut q = SplitQueue::new(mem, cfg)?;
         q.next_used = self.next_used;
         q.published_used = self.published_used;
         q.stats = self.stats;
         q.broken = self.broken;
         Ok(q)
+    }
+
+    /// Where the ring's areas sit in guest-physical memory.
+    pub fn addrs(&self) -> RingAddrs {
+        RingAddrs { desc: self.cfg.desc, driver: self.cfg.avail, device: self.cfg.used }
     }
 
     /// Queue size.
@@ -169,11 +175,12 @@ impl SplitQueue {
     /// previous backend took and never completed (vhost-user inflight
     /// tracking). Appends it to `batch` (not cleared) and returns true; a
     /// bad chain is completed with length 0 and counted, and false returned.
+    /// False too, taking nothing, when `batch` holds chains of another
+    /// memory table.
     pub fn repop(&mut self, head: u16, batch: &mut Batch, access: Access) -> bool {
-        if self.broken || head >= self.cfg.size {
+        if self.broken || head >= self.cfg.size || !batch.hold(&self.mem) {
             return false;
         }
-        batch.hold(&self.mem);
         let seg_start = batch.segs.len();
         match self.parse_chain(head, batch, access) {
             Ok(chain) => {

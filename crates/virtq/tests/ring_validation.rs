@@ -466,8 +466,58 @@ fn remap_keeps_the_position() {
     q.pop_batch(&mut b, 2, Access::ReadOnly);
     q.add_used(0, 0);
     q.add_used(0, 0);
-    let mut q2 = q.remap(r.mem.clone()).unwrap();
+    let mut q2 = q.remap(r.mem.clone(), q.addrs()).unwrap();
     assert_eq!(q2.next_avail(), 2);
     assert_eq!(q2.next_used(), 2);
     assert_eq!(q2.pop_batch(&mut b, 8, Access::ReadOnly), 1);
+}
+
+#[test]
+fn remap_follows_a_ring_that_moved() {
+    // A new memory table can put the same frontend addresses at other
+    // guest-physical addresses: the ring continues where it now is.
+    let mut r = Ring::new(8);
+    let mut q = r.device(ALL);
+    r.desc(0, BUFS, 8, 0, 0);
+    r.publish(&[0]);
+    let mut b = Batch::new();
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 1);
+    q.add_used(0, 0);
+    q.flush_used();
+    let (old, new) = (r.layout.desc, 0x20000);
+    let mut bytes = vec![0u8; 0x1000];
+    assert!(r.mem.read(old, &mut bytes));
+    assert!(r.mem.write(new, &bytes));
+    r.layout = virtq_driver::RingLayout::at(new, 8);
+    let at = virtq::RingAddrs { desc: r.layout.desc, driver: r.layout.avail, device: r.layout.used };
+    let mut q = q.remap(r.mem.clone(), at).unwrap();
+    assert_eq!(q.addrs(), at);
+    r.publish(&[0]);
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 1);
+    q.add_used(0, 0);
+    q.flush_used();
+    assert_eq!(r.used_idx(), 2, "used index written at the new place");
+    let out = virtq::RingAddrs { desc: MEM, ..at };
+    assert_eq!(q.remap(r.mem.clone(), out).err(), Some(SetupError::NotMapped));
+}
+
+#[test]
+fn repop_refuses_a_batch_holding_another_table() {
+    // A batch keeps one memory table mapped for all its chains: a chain of
+    // another table may not join chains already there.
+    let mut r = Ring::new(8);
+    let mut q = r.device(ALL);
+    r.desc(0, BUFS, 8, 0, 0);
+    r.desc(1, BUFS + 64, 8, 0, 0);
+    r.publish(&[0]);
+    let mut b = Batch::new();
+    assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 1);
+    let other = std::sync::Arc::new((*r.mem).clone());
+    let mut q2 = q.remap(other, q.addrs()).unwrap();
+    assert!(!q2.repop(1, &mut b, Access::ReadOnly));
+    assert_eq!(b.chains.len(), 1, "the batch is as it was");
+    assert!(q.repop(1, &mut b, Access::ReadOnly), "the batch's own table still joins");
+    assert_eq!(b.chains.len(), 2);
+    b.clear();
+    assert!(q2.repop(1, &mut b, Access::ReadOnly), "an emptied batch takes any table");
 }
