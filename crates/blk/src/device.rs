@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use vhostd_block_backends::BlockBackend;
 use vhostd_device::{
-    tsc, value_of, Built, Counter, Counters, Device, InflightLog, Metric, QueueGroup, Ring, RingPlace, RingTotals,
-    Sleep,
+    tsc, value_of, Built, Counter, Counters, Device, InflightLog, Metric, Pass, QueueGroup, Ring, RingPlace,
+    RingTotals, Sleep,
 };
 use virtq::ring::features as ring;
 use virtq::QueueStats;
@@ -150,15 +150,18 @@ impl QueueGroup for BlkGroup {
         self.queue.detach_inflight();
     }
 
-    fn poll(&mut self, rings: &mut [Option<Ring>]) -> usize {
-        let Some(Some(ring)) = rings.first_mut() else { return 0 };
+    fn poll(&mut self, rings: &mut [Option<Ring>]) -> Pass {
+        let Some(Some(ring)) = rings.first_mut() else { return Pass::default() };
         let t0 = tsc();
         let n = self.queue.process(&mut ring.queue, &mut ring.batch, &self.dev);
         if n > 0 {
             ring.notify();
             ring.counters.busy_cycles += tsc() - t0;
+            return Pass::did(n);
         }
-        n
+        // The kernel finishes file requests, often on an io_uring worker
+        // thread of this CPU (tmpfs, buffered I/O): let it run.
+        Pass { yields: self.queue.in_flight() > 0 && self.queue.completes_elsewhere(), ..Pass::default() }
     }
 
     fn event_fd(&self) -> Option<RawFd> {
@@ -178,12 +181,6 @@ impl QueueGroup for BlkGroup {
 
     fn on_event(&mut self) {
         self.queue.ack_completion_event();
-    }
-
-    /// The kernel finishes file requests, often on an io_uring worker thread
-    /// of this CPU (tmpfs, buffered I/O): let it run.
-    fn yields(&self) -> bool {
-        self.queue.in_flight() > 0 && self.queue.completion_fd().is_some()
     }
 
     fn counters(&self, queues: &[QueueStats]) -> Counters {

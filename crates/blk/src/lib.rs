@@ -195,6 +195,7 @@ pub struct BlkQueue {
     batch_heads: Vec<u16>,
     /// The device's counters.
     pub stats: BlkStats,
+    completes_elsewhere: bool,
 }
 
 impl BlkQueue {
@@ -213,6 +214,7 @@ impl BlkQueue {
             })
             .collect();
         BlkQueue {
+            completes_elsewhere: backend.completion_fd().is_some(),
             backend,
             slots,
             free: (0..depth as u32).rev().collect(),
@@ -232,6 +234,12 @@ impl BlkQueue {
     /// The backend's completion descriptor (for a sleeping dataplane).
     pub fn completion_fd(&self) -> Option<std::os::unix::io::RawFd> {
         self.backend.completion_fd()
+    }
+
+    /// The kernel (not this thread) finishes the backend's requests: it has
+    /// a completion descriptor. Known at construction, asked per idle pass.
+    pub fn completes_elsewhere(&self) -> bool {
+        self.completes_elsewhere
     }
 
     /// The backend's counters.
@@ -353,6 +361,12 @@ impl BlkQueue {
             }
         }
         self.complete_done(q);
+        // Idle slots keep the last table held (see IoBufs); the ring is
+        // going or its memory changing, so let go of it.
+        for slot in &mut self.slots {
+            slot.io.release();
+        }
+        self.backend.release_memory();
     }
 
     /// Takes the backend's completions into their slots. Returns how many.

@@ -253,7 +253,9 @@ impl FileBackend {
         let slot = &mut self.slab.slots[idx];
         out.push(Completion { tag: slot.tag, result });
         *slot = FREE_SLOT;
-        self.slab.holds[idx] = None;
+        // The hold stays for the slot's next request (most often over the
+        // same table: no reference count to change); `release_memory`
+        // drops it.
         self.slab.free.push(idx as u32);
         self.stats.completed += 1;
         if result < 0 {
@@ -330,7 +332,7 @@ impl BlockBackend for FileBackend {
                 slot.left = total;
                 slot.total = total;
                 slot.iov_end = req.bufs.pieces();
-                self.slab.holds[idx] = req.bufs.memory_hold();
+                req.bufs.renew_hold(&mut self.slab.holds[idx]);
                 if total == 0 {
                     // Nothing to move; a 0-byte result would read as -EIO.
                     slot.stage = Stage::Simple;
@@ -378,6 +380,13 @@ impl BlockBackend for FileBackend {
         self.slab.free.pop();
         self.unsubmitted += 1;
         Ok(())
+    }
+
+    fn release_memory(&mut self) {
+        // A free slot's hold is a past request's: nothing uses its memory.
+        for &idx in &self.slab.free {
+            self.slab.holds[idx as usize] = None;
+        }
     }
 
     fn submit(&mut self) {

@@ -96,8 +96,12 @@ pub trait BlockBackend: Send {
     /// Queues a request; it starts at the next `submit`. Fails (negative
     /// errno, nothing queued) when there is no room or the request is not
     /// supported by this backend. A backend that hands the buffers to the
-    /// kernel keeps `req.bufs.memory_hold()` until the request completes.
+    /// kernel keeps `req.bufs.memory_hold()` until the request completes
+    /// (it may keep it longer, until `release_memory`).
     fn queue(&mut self, req: &Request<'_>) -> Result<(), i64>;
+    /// Lets go of memory held for requests that completed (the memory
+    /// table is about to change, or the queue stops).
+    fn release_memory(&mut self) {}
     /// Starts everything queued since the last call (one system call).
     fn submit(&mut self);
     /// Appends finished requests to `out` without blocking.

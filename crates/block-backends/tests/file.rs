@@ -205,6 +205,30 @@ fn writev_then_read_with_other_boundaries() {
 }
 
 #[test]
+fn memory_stays_held_until_released() {
+    // The kernel may write a request's buffers until it completes: the
+    // backend holds their memory table that long, and after, until
+    // release_memory (a slot reused over the same table takes no new hold).
+    let t = Temp::file("hold", 1 << 20);
+    let mut b = one(&t.path, 4);
+    let mut g = Guest::new();
+    let at = g.alloc(4096, 0);
+    let io = g.io(&[(at, 4096)]);
+    let base = Arc::strong_count(&g.mem);
+    b.queue(&req(1, Op::Read, 0, 4096, &io)).unwrap();
+    assert_eq!(Arc::strong_count(&g.mem), base + 1, "held while in flight");
+    b.submit();
+    collect(&mut *b, 1);
+    for tag in 2..10 {
+        assert_eq!(run(&mut *b, &req(tag, Op::Read, 0, 4096, &io)), 4096);
+    }
+    assert!(Arc::strong_count(&g.mem) <= base + 4, "at most one hold per slot");
+    b.release_memory();
+    assert_eq!(Arc::strong_count(&g.mem), base, "released");
+    drop(io);
+}
+
+#[test]
 fn many_requests_in_flight() {
     const N: usize = 64;
     const BLOCK: usize = 4096;

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use vhostd_backends::{Backends, Link, NetBackend, TapControl};
 use vhostd_device::{
-    tsc, value_of, Built, Counter, Counters, Device, InflightLog, Metric, QueueGroup, Ring, RingPlace, RingTotals,
-    Sleep, Waker,
+    tsc, value_of, Built, Counter, Counters, Device, InflightLog, Metric, Pass, QueueGroup, Ring, RingPlace,
+    RingTotals, Sleep, Waker,
 };
 use virtq::ring::features as ring;
 use virtq::QueueStats;
@@ -250,7 +250,7 @@ impl QueueGroup for PairGroup {
     }
 
     /// TX, then RX (only while the driver uses this pair).
-    fn poll(&mut self, rings: &mut [Option<Ring>]) -> usize {
+    fn poll(&mut self, rings: &mut [Option<Ring>]) -> Pass {
         let mut moved = 0;
         let t0 = tsc();
         self.tx_blocked = false;
@@ -283,7 +283,10 @@ impl QueueGroup for PairGroup {
                 moved += n;
             }
         }
-        moved
+        if moved > 0 {
+            return Pass::did(moved);
+        }
+        Pass { work: 0, deferred: self.backend.retry_deferred(), stalled: self.tx_blocked, yields: false }
     }
 
     fn event_fd(&self) -> Option<RawFd> {
@@ -308,14 +311,6 @@ impl QueueGroup for PairGroup {
             }
         }
         Sleep { work, watch_event_fd: self.backend_active && !rx_has_frames }
-    }
-
-    fn retry_deferred(&mut self) -> bool {
-        self.backend.retry_deferred()
-    }
-
-    fn stalled(&self) -> bool {
-        self.tx_blocked
     }
 
     fn placed(&mut self, waker: &Waker) {
@@ -379,13 +374,13 @@ impl QueueGroup for CtrlGroup {
 
     fn attach(&mut self, _slot: usize, _ring: &mut Ring, _features: u64, _inflight: Option<InflightLog>) {}
 
-    fn poll(&mut self, rings: &mut [Option<Ring>]) -> usize {
-        let Some(Some(ctrl)) = rings.first_mut() else { return 0 };
-        let Ok(mut state) = self.shared.ctrl.lock().map(|s| *s) else { return 0 };
+    fn poll(&mut self, rings: &mut [Option<Ring>]) -> Pass {
+        let Some(Some(ctrl)) = rings.first_mut() else { return Pass::default() };
+        let Ok(mut state) = self.shared.ctrl.lock().map(|s| *s) else { return Pass::default() };
         let t0 = tsc();
         let n = process_ctrl(&mut ctrl.queue, &mut ctrl.batch, &mut state);
         if n == 0 {
-            return 0;
+            return Pass::default();
         }
         if state.offloads != self.offloads {
             // VIRTIO_NET_CTRL_GUEST_OFFLOADS_SET (e.g. the guest attached XDP).
@@ -405,7 +400,7 @@ impl QueueGroup for CtrlGroup {
         }
         ctrl.notify();
         ctrl.counters.busy_cycles += tsc() - t0;
-        n
+        Pass::did(n)
     }
 
     fn counters(&self, queues: &[QueueStats]) -> Counters {

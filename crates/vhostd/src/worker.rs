@@ -12,7 +12,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use vhostd_device::{Counters, InflightLog, QueueGroup, Ring, RingCounters, Waker};
+use vhostd_device::{Counters, InflightLog, Pass, QueueGroup, Ring, RingCounters, Waker};
 use virtq::{Batch, Queue, QueueStats};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -197,6 +197,10 @@ struct Worker {
     sleeps: u64,
     /// Idle passes in a row with a group stalled.
     blocked_passes: u32,
+    /// Some ring is attached; some attached ring has no kick fd (it must be
+    /// polled). Kept from attach and detach, not recomputed per idle pass.
+    attached: bool,
+    must_poll: bool,
     /// `memory::lost_mappings()` as last logged.
     lost_seen: u64,
 }
@@ -264,6 +268,8 @@ pub fn spawn(
         busy_iters: 0,
         sleeps: 0,
         blocked_passes: 0,
+        attached: false,
+        must_poll: false,
         lost_seen: crate::memory::lost_mappings(),
     };
     let device = device.to_string();
@@ -299,12 +305,18 @@ impl Worker {
             if self.pending.load(Ordering::Acquire) {
                 self.pending.store(false, Ordering::Relaxed);
                 self.handle_cmds();
+                self.attached = self.units.iter().any(|u| u.rings.iter().any(Option::is_some));
+                // A ring started without a kick fd must be polled.
+                self.must_poll = self
+                    .units
+                    .iter()
+                    .any(|u| u.rings.iter().zip(&u.slots).any(|(r, s)| r.is_some() && s.kick.is_none()));
                 if self.run.stop.load(Ordering::Acquire) {
                     break;
                 }
             }
-            let moved = self.poll_once();
-            if moved > 0 {
+            let pass = self.poll_once();
+            if pass.work > 0 {
                 self.busy_iters += 1;
                 backoff = 1;
                 idle_run = 0;
@@ -315,11 +327,8 @@ impl Worker {
             // Work a backend put off (AF_XDP: fill-ring room, a refused TX
             // wake-up) sends no event when it can go on: look again, and
             // sleep only briefly while some remains.
-            let mut deferred = false;
-            for u in &mut self.units {
-                deferred |= u.group.retry_deferred();
-            }
-            if self.units.iter().any(|u| u.group.stalled()) {
+            let deferred = pass.deferred;
+            if pass.stalled {
                 // Only the backend can unblock it: no kick would say so.
                 self.blocked_passes += 1;
                 if self.blocked_passes < BLOCKED_SPINS {
@@ -330,10 +339,7 @@ impl Worker {
                 continue;
             }
             self.blocked_passes = 0;
-            let attached = self.units.iter().any(|u| u.rings.iter().any(Option::is_some));
-            // A ring started without a kick fd must be polled.
-            let must_poll =
-                self.units.iter().any(|u| u.rings.iter().zip(&u.slots).any(|(r, s)| r.is_some() && s.kick.is_none()));
+            let (attached, must_poll) = (self.attached, self.must_poll);
             let spin = match self.mode {
                 Mode::Poll => true,
                 Mode::Interrupt => false,
@@ -346,7 +352,7 @@ impl Worker {
                 }
             };
             if attached && (spin || must_poll) {
-                if self.units.iter().any(|u| u.group.yields()) {
+                if pass.yields {
                     // SAFETY: sched_yield has no arguments or preconditions.
                     unsafe { libc::sched_yield() };
                     continue;
@@ -480,16 +486,16 @@ impl Worker {
         Some((queue, s.kick.take(), call))
     }
 
-    /// One pass over every group. Returns the work done.
+    /// One pass over every group.
     #[inline]
-    fn poll_once(&mut self) -> usize {
-        let mut moved = 0;
+    fn poll_once(&mut self) -> Pass {
+        let mut pass = Pass::default();
         for k in 0..self.units.len() {
             let u = &mut self.units[k];
-            moved += u.group.poll(&mut u.rings);
+            pass = pass.and(u.group.poll(&mut u.rings));
             self.check_rings(k);
         }
-        moved
+        pass
     }
 
     /// Signals NEEDS_RESET (once per ring) for rings the guest broke, and

@@ -306,7 +306,9 @@ impl ChainWalk {
     }
 
     /// Adds one buffer (a direct descriptor, or an entry of an indirect table).
-    #[inline]
+    /// Inlined into each ring's walk: a call per descriptor costs a blk
+    /// request (three descriptors) ~5% of its cycles.
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add(
         &mut self,
@@ -329,7 +331,10 @@ impl ChainWalk {
         }
         let segs = &mut batch.segs;
         let mut pieces = 0u16;
-        if !mem.for_each_seg(addr, len as u64, hint, |s| {
+        if let Some(s) = mem.seg_at_hint(addr, len, *hint) {
+            segs.push(s);
+            pieces = 1;
+        } else if !mem.for_each_seg(addr, len as u64, hint, |s| {
             segs.push(s);
             pieces = pieces.saturating_add(1);
         }) {
