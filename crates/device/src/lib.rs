@@ -124,7 +124,8 @@ impl Ring {
     }
 
     /// Tells the driver about published used entries if it wants to hear.
-    #[inline]
+    /// Inlined into the groups' passes, like the rest of the ring's hot path.
+    #[inline(always)]
     pub fn notify(&mut self) {
         if self.queue.needs_notify() {
             if let Some(call) = &self.call {

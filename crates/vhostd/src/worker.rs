@@ -492,8 +492,13 @@ impl Worker {
         let mut pass = Pass::default();
         for k in 0..self.units.len() {
             let u = &mut self.units[k];
-            pass = pass.and(u.group.poll(&mut u.rings));
-            self.check_rings(k);
+            let p = u.group.poll(&mut u.rings);
+            // A ring gains bad chains or breaks only in a pass that popped;
+            // an idle pass checks now and then (and before sleeping).
+            if p.work > 0 || self.idle_iters.is_multiple_of(64) {
+                self.check_rings(k);
+            }
+            pass = pass.and(p);
         }
         pass
     }
@@ -549,6 +554,9 @@ impl Worker {
     /// and says whether its descriptor should wake us; true if work arrived
     /// meanwhile.
     fn prepare_sleep(&mut self) -> bool {
+        for k in 0..self.units.len() {
+            self.check_rings(k);
+        }
         let mut work = false;
         for (k, u) in self.units.iter_mut().enumerate() {
             let s = u.group.prepare_sleep(&mut u.rings);

@@ -901,6 +901,9 @@ impl<'a> GuestBufs<'a> {
 #[derive(Default)]
 pub struct IoBufs {
     mem: Option<Arc<GuestMemory>>,
+    /// `mem` has a dirty log (fixed per table): completing a request then
+    /// reads nothing of the table when it has none.
+    logged: bool,
     data: Vec<Seg>,
     status: Option<Seg>,
 }
@@ -917,12 +920,12 @@ pub struct MemoryHold(#[allow(dead_code)] Arc<GuestMemory>);
 impl IoBufs {
     /// Empty (no allocation).
     pub const fn new() -> IoBufs {
-        IoBufs { mem: None, data: Vec::new(), status: None }
+        IoBufs { mem: None, logged: false, data: Vec::new(), status: None }
     }
 
     /// Empty, with room for `n` data pieces.
     pub fn with_capacity(n: usize) -> IoBufs {
-        IoBufs { mem: None, data: Vec::with_capacity(n), status: None }
+        IoBufs { mem: None, logged: false, data: Vec::with_capacity(n), status: None }
     }
 
     /// Whether buffers of `mem` may join: the ones held are of the same
@@ -935,6 +938,7 @@ impl IoBufs {
     fn hold(&mut self, mem: &Arc<GuestMemory>) {
         if !self.mem.as_ref().is_some_and(|m| Arc::ptr_eq(m, mem)) {
             self.mem = Some(mem.clone());
+            self.logged = mem.log.is_some();
         }
     }
 
@@ -948,6 +952,7 @@ impl IoBufs {
     pub fn release(&mut self) {
         self.clear();
         self.mem = None;
+        self.logged = false;
     }
 
     /// Data pieces.
@@ -985,22 +990,22 @@ impl IoBufs {
 
     /// The kernel wrote the data (a read completed): marks it in the dirty log.
     pub fn data_written(&self) {
-        if let Some(mem) = &self.mem {
-            if mem.log.is_some() {
-                for s in &self.data {
-                    mem.dirty(s.addr, s.len as usize);
-                }
+        if let (true, Some(mem)) = (self.logged, &self.mem) {
+            for s in &self.data {
+                mem.dirty(s.addr, s.len as usize);
             }
         }
     }
 
     /// Stores the status byte; false if none is set.
     pub fn write_status(&self, v: u8) -> bool {
-        let (Some(mem), Some(s)) = (&self.mem, self.status) else { return false };
+        let Some(s) = self.status else { return false };
         // SAFETY: the status segment is one byte inside a buffer of the held
         // memory table (lend_last_byte), which keeps it mapped.
         unsafe { std::ptr::write_volatile(s.addr, v) };
-        mem.dirty(s.addr, 1);
+        if let (true, Some(mem)) = (self.logged, &self.mem) {
+            mem.dirty(s.addr, 1);
+        }
         true
     }
 }
