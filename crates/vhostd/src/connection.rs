@@ -146,6 +146,8 @@ fn peek(conn: &UnixStream, buf: &mut [u8]) -> Option<(u32, u32, u32, usize)> {
 fn answer_own(conn: &UnixStream, session: &Mutex<Session>) -> io::Result<bool> {
     let mut msg = [0u8; LONGEST];
     let Some((req, flags, size, got)) = peek(conn, &mut msg) else { return Ok(false) };
+    // The whole conversation, by request number, for VHOSTD_LOG=debug.
+    tracing::debug!(req, flags, size, "request");
     let Some(&(_, expected, handler)) = OWN.iter().find(|(r, _, _)| u32::from(*r) == req) else { return Ok(false) };
     // A bad size or header (version other than 1, the reply bit, reserved
     // bits): let the generic handler refuse it.

@@ -249,8 +249,21 @@ impl Session {
         self.start_ring(i)
     }
 
-    /// Drops every ring and the memory table (disconnect, reset).
+    /// The connection ended: drops every ring and the memory table.
     pub fn reset(&mut self) {
+        self.reset_device_state();
+        self.mem = Arc::new(GuestMemory::new());
+        self.addrs = FrontendAddrs::default();
+        self.region_refs.clear();
+    }
+
+    /// RESET_DEVICE and RESET_OWNER: every ring, the features and the
+    /// device state go back to their initial state; the memory table stays.
+    /// A frontend using ADD_MEM_REG (QEMU 8 and later with
+    /// CONFIGURE_MEM_SLOTS) sends only changes to the table it believes we
+    /// hold, so after a guest driver's reset it restarts the rings without
+    /// resending the memory (DPDK and libvhost-user keep it too).
+    fn reset_device_state(&mut self) {
         for i in 0..self.vrings.len() {
             self.stop_ring(i);
         }
@@ -267,9 +280,6 @@ impl Session {
         for v in self.vrings.iter_mut() {
             *v = Vring::default();
         }
-        self.mem = Arc::new(GuestMemory::new());
-        self.addrs = FrontendAddrs::default();
-        self.region_refs.clear();
         self.features = 0;
         self.status = 0;
         self.inflight = None;
@@ -374,13 +384,13 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn reset_owner(&mut self) -> VuResult<()> {
-        self.reset();
+        self.reset_device_state();
         self.owner = false;
         Ok(())
     }
 
     fn reset_device(&mut self) -> VuResult<()> {
-        self.reset();
+        self.reset_device_state();
         Ok(())
     }
 
@@ -434,6 +444,8 @@ impl VhostUserBackendReqHandlerMut for Session {
         let mut regions = Vec::with_capacity(ctx.len());
         let mut addrs = FrontendAddrs::default();
         for (r, f) in ctx.iter().zip(files.iter()) {
+            let (gpa, size, uaddr, offset) = (r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset);
+            tracing::debug!(gpa, size, uaddr, offset, "memory region");
             regions.push(Self::map_region(r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset, f)?);
             let fr = FrontendRegion { gpa: r.guest_phys_addr, size: r.memory_size, uaddr: r.user_addr };
             addrs = addrs.with(fr).map_err(|_| err("memory regions overlap"))?;
@@ -471,6 +483,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         _log: u64,
     ) -> VuResult<()> {
         self.check_index(index)?;
+        tracing::debug!(ring = index, descriptor, used, available, "ring addresses");
         let i = index as usize;
         self.with_ring_stopped(i, |v| {
             v.desc = descriptor;

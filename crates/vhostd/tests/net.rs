@@ -451,6 +451,33 @@ fn memory_added_with_add_mem_reg_works_like_set_mem_table() {
 }
 
 #[test]
+fn reset_device_keeps_memory_added_with_add_mem_reg() {
+    // QEMU 11 resets the device when the guest's driver resets it, then
+    // starts the rings again without resending memory: with ADD_MEM_REG it
+    // sends only changes to the table, and after a reset there are none.
+    // A backend that dropped the table on RESET_DEVICE refuses the rings
+    // ("a ring is not inside the memory table") and the guest hangs.
+    use vhost::vhost_user::VhostUserFrontend;
+    use vhost::VhostBackend;
+    let d = Daemon::start(&["--backend", "loopback"]);
+    let mut opts = d.options();
+    opts.add_mem_reg = true;
+    opts.protocol_features |= vhost::vhost_user::message::VhostUserProtocolFeatures::RESET_DEVICE;
+    let mut dev = VirtioUser::connect(opts).unwrap();
+    {
+        let (mut rx, mut tx) = dev.net_queue_pair(0, 128).unwrap();
+        roundtrip(&mut rx, &mut tx, 100, 0);
+    }
+    dev.get_vring_base(0).unwrap();
+    dev.get_vring_base(1).unwrap();
+    dev.frontend().reset_device().expect("RESET_DEVICE");
+    let features = dev.features();
+    dev.frontend().set_features(features).expect("SET_FEATURES after the reset");
+    let (mut rx, mut tx) = dev.net_queue_pair(0, 128).expect("rings started on the memory added before the reset");
+    roundtrip(&mut rx, &mut tx, 100, 0);
+}
+
+#[test]
 fn a_region_added_once_per_queue_pair_is_counted_not_refused() {
     // QEMU with queues=N sends ADD_MEM_REG (and later REM_MEM_REG) for the
     // same region once per queue pair; an overlapping different region is
