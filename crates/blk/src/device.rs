@@ -133,7 +133,8 @@ impl QueueGroup for BlkGroup {
         1
     }
 
-    fn attach(&mut self, _slot: usize, ring: &mut Ring, _features: u64, inflight: Option<InflightLog>) {
+    fn attach(&mut self, _slot: usize, ring: &mut Ring, features: u64, inflight: Option<InflightLog>) {
+        self.queue.set_features(features);
         if let Some(log) = inflight {
             // Requests a crashed backend left unanswered run again.
             let n = self.queue.attach_inflight(log, &mut ring.queue, &mut ring.batch, &self.dev);

@@ -196,6 +196,11 @@ pub struct BlkQueue {
     /// The device's counters.
     pub stats: BlkStats,
     completes_elsewhere: bool,
+    /// Largest data segment accepted: SIZE_MAX when the driver negotiated
+    /// VIRTIO_BLK_F_SIZE_MAX, otherwise any (QEMU does not pass SIZE_MAX on
+    /// to the guest, and Linux then merges contiguous pages into segments
+    /// of any size; virtio 1.2, 5.2.3: size_max binds only when negotiated).
+    max_piece: usize,
 }
 
 impl BlkQueue {
@@ -223,7 +228,13 @@ impl BlkQueue {
             inflight: None,
             batch_heads: Vec::with_capacity(depth),
             stats: BlkStats::default(),
+            max_piece: SIZE_MAX as usize,
         }
+    }
+
+    /// Applies the negotiated features (when the ring starts).
+    pub fn set_features(&mut self, features: u64) {
+        self.max_piece = if features & features::SIZE_MAX != 0 { SIZE_MAX as usize } else { u32::MAX as usize };
     }
 
     /// Requests popped and not yet completed.
@@ -527,7 +538,7 @@ impl BlkQueue {
                 // writable bytes before the status byte.
                 // Pieces and their sizes are bounded as advertised
                 // (seg_max, size_max).
-                let (pieces, piece) = (SEG_MAX as usize, SIZE_MAX as usize);
+                let (pieces, piece) = (SEG_MAX as usize, self.max_piece);
                 let ok = if out {
                     readable.lend(HEADER_LEN, usize::MAX, pieces, piece, &mut slot.io)
                 } else {
