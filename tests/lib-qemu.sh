@@ -164,6 +164,21 @@ start_qemu() {
     QEMU_PID=$!
 }
 
+# qemu_reconnect: the -chardev socket option that makes $QEMU reconnect to a
+# backend that went away, after a second: `reconnect=1` up to QEMU 9.1
+# (removed in 10.0), `reconnect-ms=1000` from 9.2.
+qemu_reconnect() {
+    local v
+    v=$("$QEMU" -version | sed -n '1s/.*version \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+    # shellcheck disable=SC2086 # major and minor
+    set -- $v
+    if [ "${1:-0}" -gt 9 ] || { [ "${1:-0}" = 9 ] && [ "${2:-0}" -ge 2 ]; }; then
+        echo reconnect-ms=1000
+    else
+        echo reconnect=1
+    fi
+}
+
 # start_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
 # (start_qemu) with a virtio-net-pci device on vhostd's $WORK/net.sock.
 start_guest() {
