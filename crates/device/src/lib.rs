@@ -97,7 +97,8 @@ pub struct Ring {
 pub struct RingCounters {
     /// Kick wake-ups.
     pub kicks: u64,
-    /// Interrupts sent (call descriptor writes).
+    /// Interrupts sent (call descriptor writes), besides the one the worker
+    /// sends as the ring starts.
     pub notifies: u64,
     /// TSC cycles of passes that did work on this ring.
     pub busy_cycles: u64,

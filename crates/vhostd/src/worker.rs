@@ -461,6 +461,14 @@ impl Worker {
         s.err_signalled = false;
         s.bad_logged = s.past.queue.bad_chains + queue.stats().bad_chains;
         let batch = s.spare.take().unwrap_or_default();
+        // One interrupt as the ring starts: a driver may be waiting for one
+        // that was lost with the previous backend (QEMU 11.1 with MSI-X
+        // stopped the rings of a killed vhostd and its guest never heard
+        // of the last used entries). A spurious interrupt costs the driver
+        // a look at its used ring (virtio 1.2, 2.7.10 / 2.8.14).
+        if let Some(c) = &call {
+            let _ = c.write(1);
+        }
         let mut ring = Ring::new(queue, batch, call);
         u.group.attach(slot, &mut ring, features, inflight);
         u.rings[slot] = Some(ring);
