@@ -164,6 +164,16 @@ start_qemu() {
     QEMU_PID=$!
 }
 
+# qemu_vectors: ",vectors=0" for a QEMU older than 11: under TCG, QEMU 7.2
+# segfaults in msix_set_vector_notifiers when a vhost-user device with
+# MSI-X starts. QEMU 11.1 does not, so its guests use MSI-X (a vector per
+# queue), as guests on KVM do.
+qemu_vectors() {
+    local major
+    major=$("$QEMU" -version | sed -n '1s/.*version \([0-9]*\)\..*/\1/p')
+    [ "${major:-0}" -ge 11 ] || echo ",vectors=0"
+}
+
 # qemu_reconnect: the -chardev socket option that makes $QEMU reconnect to a
 # backend that went away, after a second: `reconnect=1` up to QEMU 9.1
 # (removed in 10.0), `reconnect-ms=1000` from 9.2.
@@ -186,7 +196,7 @@ start_guest() {
     start_qemu "$scenario" "$timeout" \
         -chardev socket,id=c0,path="$WORK/net.sock" \
         -netdev "vhost-user,id=n0,chardev=c0$netdev_extra" \
-        -device "virtio-net-pci,netdev=n0,romfile=,vectors=0$device_extra"
+        -device "virtio-net-pci,netdev=n0,romfile=$(qemu_vectors)$device_extra"
 }
 
 # start_guest_blk SCENARIO TIMEOUT SOCKET QUEUES [DEVICE_EXTRA]: boots the
@@ -197,7 +207,7 @@ start_guest_blk() {
     local scenario=$1 timeout=$2 sock=$3 queues=$4 device_extra=${5:-}
     start_qemu "$scenario" "$timeout" -nic none \
         -chardev socket,id=c0,path="$sock" \
-        -device "vhost-user-blk-pci,chardev=c0,num-queues=$queues,vectors=0$device_extra"
+        -device "vhost-user-blk-pci,chardev=c0,num-queues=$queues$(qemu_vectors)$device_extra"
 }
 
 # wait_guest [SECONDS]: waits for the guest started by start_guest to power
