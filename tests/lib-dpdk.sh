@@ -73,6 +73,14 @@ poll_until() {
 
 alive() { kill -0 "$1" 2>/dev/null; }
 
+# dpdk_version: the DPDK version dpdk-testpmd (the first in PATH) reports,
+# e.g. 25.11.4; empty if it names none. 25.11 prints it for --version;
+# 22.11 has no --version and prints it for the EAL's -v (then its --help).
+dpdk_version() {
+    { dpdk-testpmd --version 2>&1; dpdk-testpmd -v --help 2>&1; } |
+        sed -n "s/.*RTE Version: 'DPDK \([0-9.]*\)'.*/\1/p" | head -n 1
+}
+
 # stop_pid PID SECONDS: SIGTERM, wait up to SECONDS, then SIGKILL; reaps it.
 stop_pid() {
     local pid=$1 limit=${2:-10}
