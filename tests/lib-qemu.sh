@@ -164,29 +164,28 @@ start_qemu() {
     QEMU_PID=$!
 }
 
+# qemu_at_least MAJOR MINOR: $QEMU is version MAJOR.MINOR or later.
+qemu_at_least() {
+    local v
+    v=$("$QEMU" -version | sed -n '1s/.*version \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+    # shellcheck disable=SC2086 # major and minor
+    set -- $v "$@"
+    [ $(( ${1:-0} * 1000 + ${2:-0} )) -ge $(( $3 * 1000 + $4 )) ]
+}
+
 # qemu_vectors: ",vectors=0" for a QEMU older than 11: under TCG, QEMU 7.2
 # segfaults in msix_set_vector_notifiers when a vhost-user device with
 # MSI-X starts. QEMU 11.1 does not, so its guests use MSI-X (a vector per
 # queue), as guests on KVM do.
 qemu_vectors() {
-    local major
-    major=$("$QEMU" -version | sed -n '1s/.*version \([0-9]*\)\..*/\1/p')
-    [ "${major:-0}" -ge 11 ] || echo ",vectors=0"
+    qemu_at_least 11 0 || echo ",vectors=0"
 }
 
 # qemu_reconnect: the -chardev socket option that makes $QEMU reconnect to a
 # backend that went away, after a second: `reconnect=1` up to QEMU 9.1
 # (removed in 10.0), `reconnect-ms=1000` from 9.2.
 qemu_reconnect() {
-    local v
-    v=$("$QEMU" -version | sed -n '1s/.*version \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
-    # shellcheck disable=SC2086 # major and minor
-    set -- $v
-    if [ "${1:-0}" -gt 9 ] || { [ "${1:-0}" = 9 ] && [ "${2:-0}" -ge 2 ]; }; then
-        echo reconnect-ms=1000
-    else
-        echo reconnect=1
-    fi
+    if qemu_at_least 9 2; then echo reconnect-ms=1000; else echo reconnect=1; fi
 }
 
 # start_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
