@@ -446,8 +446,8 @@ impl VhostUserBackendReqHandlerMut for Session {
         for (r, f) in ctx.iter().zip(files.iter()) {
             let (gpa, size, uaddr, offset) = (r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset);
             tracing::debug!(gpa, size, uaddr, offset, "memory region");
-            regions.push(Self::map_region(r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset, f)?);
-            let fr = FrontendRegion { gpa: r.guest_phys_addr, size: r.memory_size, uaddr: r.user_addr };
+            regions.push(Self::map_region(gpa, size, uaddr, offset, f)?);
+            let fr = FrontendRegion { gpa, size, uaddr };
             addrs = addrs.with(fr).map_err(|_| err("memory regions overlap"))?;
         }
         // A dirty log set before stays on: the table changes, the log does not.
