@@ -150,11 +150,15 @@ vhostd_total() {
 # start_qemu SCENARIO TIMEOUT DEVICE_ARGS...: boots the test guest in the
 # background (QEMU_PID) with the given device arguments (-chardev, -netdev,
 # -device...), console in $WORK/console.log. GUEST_SMP (default 1) CPUs;
-# GUEST_ARGS is appended to the kernel command line.
+# GUEST_ARGS is appended to the kernel command line. With QEMU_NETNS set,
+# QEMU runs in that network namespace (its own -netdev then sees the
+# namespace's interfaces).
 start_qemu() {
     local scenario=$1 timeout=$2; shift 2
+    local ns=()
+    [ -n "${QEMU_NETNS:-}" ] && ns=(ip netns exec "$QEMU_NETNS")
     : > "$WORK/console.log"
-    timeout "$timeout" "$QEMU" -accel tcg -m 256M -smp "${GUEST_SMP:-1}" \
+    timeout "$timeout" "${ns[@]}" "$QEMU" -name vhostd-test,debug-threads=on -accel tcg -m 256M -smp "${GUEST_SMP:-1}" \
         -object memory-backend-memfd,id=mem0,size=256M,share=on -numa node,memdev=mem0 \
         "$@" \
         -kernel "$GUEST_DIR/vmlinuz" -initrd "$GUEST_DIR/initramfs.cpio.gz" \
