@@ -52,7 +52,7 @@ pub use virtq_driver::{
 use std::path::PathBuf;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 
 /// Feature bits, named for the device they belong to: the device crates'
 /// own definitions (from virtio-bindings), gathered for the frontend.
@@ -121,6 +121,8 @@ pub mod features {
     pub const EVENT_IDX: u64 = ring::EVENT_IDX;
     /// VHOST_USER_F_PROTOCOL_FEATURES
     pub const PROTOCOL_FEATURES: u64 = vhost::vhost_user::message::VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    /// VHOST_F_LOG_ALL: log every store into guest memory (migration).
+    pub const LOG_ALL: u64 = vhost::vhost_user::message::VhostUserVirtioFeatures::LOG_ALL.bits();
     /// VIRTIO_F_VERSION_1
     pub const VERSION_1: u64 = ring::VERSION_1;
     /// VIRTIO_F_RING_PACKED
@@ -211,7 +213,7 @@ pub struct Options {
 impl Options {
     /// Defaults: 64 MiB, gpa = offset, VERSION_1 + EVENT_IDX + MRG_RXBUF +
     /// MAC + STATUS + MQ requested, VERSION_1 required, protocol features MQ,
-    /// REPLY_ACK, CONFIG and CONFIGURE_MEM_SLOTS, 2 KiB buffers.
+    /// REPLY_ACK, CONFIG, CONFIGURE_MEM_SLOTS and LOG_SHMFD, 2 KiB buffers.
     pub fn new(socket_path: impl Into<PathBuf>) -> Options {
         use features::*;
         Options {
@@ -225,7 +227,8 @@ impl Options {
             protocol_features: VhostUserProtocolFeatures::MQ
                 | VhostUserProtocolFeatures::REPLY_ACK
                 | VhostUserProtocolFeatures::CONFIG
-                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+                | VhostUserProtocolFeatures::LOG_SHMFD,
             add_mem_reg: false,
             buf_size: 2048,
         }
@@ -242,6 +245,59 @@ impl Options {
             features: features::VERSION_1 | features::EVENT_IDX | features::BLK_ALL,
             ..Options::new(socket_path)
         }
+    }
+}
+
+/// A dirty-page log as a frontend shares it for live migration
+/// (SET_LOG_BASE with protocol feature LOG_SHMFD): bit `p % 8` of byte
+/// `p / 8` stands for guest page `p` (guest-physical address / 4 KiB), and
+/// the backend sets it when it stores into that page.
+pub struct DirtyLog {
+    file: std::fs::File,
+    mem: DriverMemory,
+}
+
+impl DirtyLog {
+    /// Bytes of guest memory one bit stands for.
+    pub const PAGE: u64 = 4096;
+
+    /// A zeroed log for guest-physical addresses below `end`, in a sealable
+    /// memfd (as QEMU's).
+    pub fn covering(end: u64) -> Result<DirtyLog, Error> {
+        let bytes = end.div_ceil(Self::PAGE * 8).max(1);
+        let file = virtq_driver::memfd("vhostd-user-log", bytes, true).map_err(Error::Io)?;
+        let map = SharedMemory::map(&file, 0, bytes).map_err(Error::Io)?;
+        Ok(DirtyLog { file, mem: DriverMemory::new(std::sync::Arc::new(map), 0) })
+    }
+
+    /// The memfd (to hand over, or to hand over wrongly).
+    pub fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+
+    /// Bytes of bitmap.
+    pub fn size(&self) -> u64 {
+        self.mem.len()
+    }
+
+    /// The pages marked dirty (page numbers, ascending).
+    pub fn dirty_pages(&self) -> std::collections::BTreeSet<u64> {
+        let mut bits = vec![0u8; self.size() as usize];
+        self.mem.read(0, &mut bits);
+        let mut out = std::collections::BTreeSet::new();
+        for (i, &b) in bits.iter().enumerate() {
+            for bit in 0..8 {
+                if b & (1 << bit) != 0 {
+                    out.insert(i as u64 * 8 + bit);
+                }
+            }
+        }
+        out
+    }
+
+    /// Clears every bit (what QEMU does as it syncs the log).
+    pub fn clear(&self) {
+        self.mem.write(0, &vec![0u8; self.size() as usize]);
     }
 }
 
@@ -550,6 +606,49 @@ impl VirtioUser {
         self.start_queue(&rx.queue)?;
         self.start_queue(&tx.queue)?;
         Ok((rx, tx))
+    }
+
+    /// Starts dirty logging the way QEMU does when a migration starts, with
+    /// the rings running: SET_LOG_BASE with `log`, SET_FEATURES with
+    /// VHOST_F_LOG_ALL added, then SET_VRING_ADDR with VHOST_VRING_F_LOG for
+    /// each of `queues` (log_guest_addr: its used ring or device area).
+    pub fn start_dirty_log(&mut self, log: &DirtyLog, queues: &[&VirtQueue]) -> Result<(), Error> {
+        self.set_log_base(log)?;
+        self.set_logging(queues, true)
+    }
+
+    /// SET_LOG_BASE alone: `log`, all of it, from offset 0.
+    pub fn set_log_base(&mut self, log: &DirtyLog) -> Result<(), Error> {
+        use std::os::unix::io::AsRawFd;
+        let region =
+            VhostUserDirtyLogRegion { mmap_size: log.size(), mmap_offset: 0, mmap_handle: log.file().as_raw_fd() };
+        self.fe.set_log_base(0, Some(region)).map_err(vh("SET_LOG_BASE"))
+    }
+
+    /// Ends dirty logging as QEMU does when a migration ends or is
+    /// cancelled: SET_FEATURES without LOG_ALL, SET_VRING_ADDR without the
+    /// flag (the log itself is then the frontend's to free).
+    pub fn stop_dirty_log(&mut self, queues: &[&VirtQueue]) -> Result<(), Error> {
+        self.set_logging(queues, false)
+    }
+
+    fn set_logging(&mut self, queues: &[&VirtQueue], on: bool) -> Result<(), Error> {
+        let f = if on { self.features | features::LOG_ALL } else { self.features };
+        self.fe.set_features(f).map_err(vh("SET_FEATURES"))?;
+        for q in queues {
+            let l = q.ring.layout();
+            let cfg = VringConfigData {
+                queue_max_size: l.size,
+                queue_size: l.size,
+                flags: u32::from(on),
+                desc_table_addr: self.mem.gpa_to_uaddr(l.desc),
+                used_ring_addr: self.mem.gpa_to_uaddr(l.used),
+                avail_ring_addr: self.mem.gpa_to_uaddr(l.avail),
+                log_addr: on.then_some(l.used),
+            };
+            self.fe.set_vring_addr(q.index(), &cfg).map_err(vh("SET_VRING_ADDR"))?;
+        }
+        Ok(())
     }
 
     /// Whether the backend closed the socket (a non-blocking check).

@@ -50,6 +50,8 @@ const REPLYING: &[FrontendReq] = &[
     FrontendReq::GET_INFLIGHT_FD,
     FrontendReq::GET_MAX_MEM_SLOTS,
     FrontendReq::GET_STATUS,
+    // Answered with its own reply once the log is mapped (LOG_SHMFD).
+    FrontendReq::SET_LOG_BASE,
 ];
 
 const HEADER: usize = 12;
@@ -317,7 +319,7 @@ mod tests {
         let own: Vec<(u32, u32)> = OWN.iter().map(|(r, size, _)| (u32::from(*r), *size)).collect();
         assert_eq!(own, [(39, 8), (40, 0), (18, 8), (9, 40)]);
         let replying: Vec<u32> = REPLYING.iter().map(|&r| u32::from(r)).collect();
-        assert_eq!(replying, [1, 11, 15, 17, 24, 31, 36, 40]);
+        assert_eq!(replying, [1, 11, 15, 17, 24, 31, 36, 40, 6]);
         assert_eq!((REPLY, NEED_REPLY), (0x4, 0x8));
     }
 

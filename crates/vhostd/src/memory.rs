@@ -90,6 +90,20 @@ pub fn map_region(file: &File, gpa: u64, size: u64, offset: u64) -> io::Result<R
     Region::new(gpa, size, Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip)
 }
 
+/// Maps the dirty-page log the frontend sent (SET_LOG_BASE): `size` bytes
+/// of `file` from `offset`, registered with the SIGBUS handler like a
+/// region. Returns the mapping and where the log starts in it.
+pub fn map_log(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, usize)> {
+    let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
+    let len = size
+        .checked_add(skip)
+        .filter(|&l| l <= isize::MAX as u64)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "log size overflows"))?;
+    let mapping = Mapping::map(file, map_off, len)?;
+    let registration = register(mapping.host_range());
+    Ok((Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip as usize))
+}
+
 // ---- surviving a frontend that truncates its memory ----------------------
 //
 // A file the frontend can still shrink (not sealable: hugetlbfs, a plain

@@ -13,7 +13,10 @@ use vhost::vhost_user::{Error as VuError, Result as VuResult};
 use vhost::VhostUserMemoryRegionBase;
 use vhostd_device::{Device, InflightLog, RingPlace};
 use virtq::ring::features as ring_features;
-use virtq::{GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, RingAddrs, SplitConfig, SplitQueue};
+use virtq::{
+    DirtyLog, GuestMemory, Mapping, PackedConfig, PackedQueue, Queue, Region, RingAddrs, SplitConfig, SplitQueue,
+    LOG_PAGE,
+};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::memory::{FrontendAddrs, FrontendRegion};
@@ -21,6 +24,11 @@ use crate::worker::{RunState, Start, WorkerHandle};
 
 /// VHOST_USER_F_PROTOCOL_FEATURES
 const PROTOCOL_FEATURES: u64 = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+/// VHOST_F_LOG_ALL: the frontend wants every store into guest memory
+/// logged (live migration), in the log SET_LOG_BASE gives.
+const LOG_ALL: u64 = VhostUserVirtioFeatures::LOG_ALL.bits();
+/// The largest dirty log accepted: 1 GiB of bits covers 32 TiB of guest memory.
+const MAX_LOG_BYTES: u64 = 1 << 30;
 
 /// A device and where its queue groups run: what a session serves, and
 /// what stays across connections.
@@ -36,10 +44,10 @@ pub struct Served {
 }
 
 impl Served {
-    /// Features offered to the frontend: the device's, and vhost-user's
-    /// protocol features bit.
+    /// Features offered to the frontend: the device's, vhost-user's
+    /// protocol features bit, and dirty logging.
     pub fn features(&self) -> u64 {
-        self.device.features() | PROTOCOL_FEATURES
+        self.device.features() | PROTOCOL_FEATURES | LOG_ALL
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -48,7 +56,8 @@ impl Served {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-            | VhostUserProtocolFeatures::STATUS;
+            | VhostUserProtocolFeatures::STATUS
+            | VhostUserProtocolFeatures::LOG_SHMFD;
         if self.device.tracks_inflight() {
             // Requests in flight survive a backend restart (split rings).
             f | VhostUserProtocolFeatures::INFLIGHT_SHMFD
@@ -82,6 +91,9 @@ struct Vring {
     parked: Option<Queue>,
     /// Where the ring runs while it runs.
     running: Option<RingPlace>,
+    /// SET_VRING_ADDR's log_guest_addr when VHOST_VRING_F_LOG was set:
+    /// where used-ring stores are logged.
+    log_addr: Option<u64>,
 }
 
 /// The state of one connection.
@@ -101,7 +113,14 @@ pub struct Session {
     /// The frontend's inflight memory (SET_INFLIGHT_FD) and its queue size,
     /// for a device that tracks requests in flight.
     inflight: Option<(Arc<Mapping>, u16)>,
+    /// The dirty log of the last SET_LOG_BASE, and what it was (device,
+    /// inode, size, offset: the same log sent again is kept). Stores are
+    /// logged in it while LOG_ALL is acked.
+    log: Option<(Arc<DirtyLog>, LogId)>,
 }
+
+/// What a SET_LOG_BASE log is: the file's device and inode, size, offset.
+type LogId = (u64, u64, u64, u64);
 
 /// Maps `size` bytes of the inflight file at `offset`, shared (sealed
 /// against shrinking where it can be; refused past the end of the file).
@@ -143,6 +162,7 @@ impl Session {
             vrings: (0..nrings).map(|_| Vring::default()).collect(),
             status: 0,
             inflight: None,
+            log: None,
         }
     }
 
@@ -228,6 +248,8 @@ impl Session {
                 })?
             }
         };
+        let mut queue = queue;
+        queue.set_used_log(self.vrings[i].log_addr);
         let v = &mut self.vrings[i];
         // The worker gives kick and call back when the ring stops.
         let (kick, call) = (v.kick.take(), v.call.take());
@@ -283,6 +305,9 @@ impl Session {
         self.features = 0;
         self.status = 0;
         self.inflight = None;
+        // Logging ends with the features that asked for it.
+        self.log = None;
+        self.mem = Arc::new(self.mem.with_log(None));
         self.dev.run.needs_reset.store(false, Ordering::Release);
         self.dev.device.reset();
     }
@@ -318,6 +343,51 @@ impl Session {
             let _ = self.start_ring(i);
         }
         Ok(())
+    }
+
+    /// The log stores must go to now: the last SET_LOG_BASE's while LOG_ALL
+    /// is acked, else none.
+    fn wanted_log(&self) -> Option<Arc<DirtyLog>> {
+        (self.features & LOG_ALL != 0).then(|| self.log.as_ref().map(|(l, _)| l.clone())).flatten()
+    }
+
+    /// Moves the memory table, and every ring on it, under the log now
+    /// wanted, if that changed. Rings stop and restart on the new table; a
+    /// blk ring first completes its requests in flight, so nothing the
+    /// device writes after this returns escapes the log (or, logging off,
+    /// lands in a log the frontend has freed).
+    fn apply_log(&mut self) -> VuResult<()> {
+        let want = self.wanted_log();
+        let same = match (self.mem.log(), &want) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if same {
+            return Ok(());
+        }
+        tracing::info!("dirty logging {}", if want.is_some() { "on" } else { "off" });
+        let mem = self.mem.with_log(want);
+        let addrs = self.addrs.clone();
+        self.replace_memory(mem, addrs)
+    }
+
+    /// The end of the highest region's guest-physical range.
+    fn memory_end(&self) -> u64 {
+        self.mem.regions().iter().map(|r| r.gpa().saturating_add(r.size())).max().unwrap_or(0)
+    }
+
+    /// Warns when the table reaches past the log: those pages cannot be
+    /// marked. (QEMU grows the log before it grows the table.)
+    fn check_log_covers(&self) {
+        if let Some(log) = self.mem.log() {
+            let end = self.memory_end();
+            if end.div_ceil(LOG_PAGE * 8) > log.len() as u64 {
+                tracing::warn!(
+                    "guest memory ends at {end:#x}, past what the dirty log covers: stores there go unlogged"
+                );
+            }
+        }
     }
 
     fn map_region(gpa: u64, size: u64, uaddr: u64, offset: u64, file: &File) -> VuResult<Region> {
@@ -406,8 +476,11 @@ impl VhostUserBackendReqHandlerMut for Session {
         // MQ under running rings): take every ring off its worker while the
         // old features still say where it runs, and rebuild them for the new
         // ones from where they stopped.
+        // LOG_ALL alone (QEMU sets and clears it while rings run) changes
+        // only where stores are logged: rings keep their state.
         let running: Vec<usize> = (0..self.vrings.len()).filter(|&i| self.vrings[i].running.is_some()).collect();
-        if features != self.features {
+        let changed = (features ^ self.features) & !LOG_ALL != 0;
+        if changed {
             for &i in &running {
                 self.stop_ring(i);
             }
@@ -416,6 +489,11 @@ impl VhostUserBackendReqHandlerMut for Session {
             }
         }
         self.features = features;
+        if !changed {
+            return self.apply_log();
+        }
+        // Every ring is stopped: the table changes its log under none.
+        self.mem = Arc::new(self.mem.with_log(self.wanted_log()));
         let more = self.dev.device.describe_features(features);
         tracing::info!(
             "features acked: {features:#x} ({} ring{}{}{})",
@@ -428,7 +506,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             // A ring that cannot run under the new features stays stopped.
             let _ = self.start_ring(i);
         }
-        self.dev.device.set_features(features);
+        self.dev.device.set_features(features & !LOG_ALL);
         Ok(())
     }
 
@@ -455,6 +533,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         let mem = mem.with_log(self.mem.log().cloned());
         self.region_refs = addrs.regions().iter().map(|r| ((r.gpa, r.size, r.uaddr), 1)).collect();
         self.replace_memory(mem, addrs)?;
+        self.check_log_covers();
         Ok(None)
     }
 
@@ -476,21 +555,31 @@ impl VhostUserBackendReqHandlerMut for Session {
     fn set_vring_addr(
         &mut self,
         index: u32,
-        _flags: VhostUserVringAddrFlags,
+        flags: VhostUserVringAddrFlags,
         descriptor: u64,
         used: u64,
         available: u64,
-        _log: u64,
+        log: u64,
     ) -> VuResult<()> {
         self.check_index(index)?;
-        tracing::debug!(ring = index, descriptor, used, available, "ring addresses");
+        // VHOST_VRING_F_LOG may come before any SET_LOG_BASE: QEMU's
+        // vhost_dev_start sends the ring addresses of a device started
+        // while migrating first, and the log after them. It takes effect
+        // once a log is set.
+        let log_addr = flags.contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG).then_some(log);
+        tracing::debug!(ring = index, descriptor, used, available, ?log_addr, "ring addresses");
         let i = index as usize;
         self.with_ring_stopped(i, |v| {
+            // The same addresses again (QEMU turning logging on or off for
+            // a running ring): the ring keeps its state.
+            if !(v.addr_set && v.desc == descriptor && v.used == used && v.avail == available) {
+                v.parked = None;
+            }
             v.desc = descriptor;
             v.used = used;
             v.avail = available;
             v.addr_set = true;
-            v.parked = None;
+            v.log_addr = log_addr;
         })
     }
 
@@ -652,6 +741,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         let mem = self.mem.with_region(r).map_err(|e| refused(&e))?;
         self.region_refs.insert(key, 1);
         self.replace_memory(mem, addrs)?;
+        self.check_log_covers();
         Ok(None)
     }
 
@@ -694,7 +784,30 @@ impl VhostUserBackendReqHandlerMut for Session {
         Err(err("GET_SHMEM_CONFIG"))
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
-        Err(err("SET_LOG_BASE"))
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VuResult<()> {
+        use std::os::unix::fs::MetadataExt;
+        let (size, offset) = (log.mmap_size, log.mmap_offset);
+        if size == 0 || size > MAX_LOG_BYTES {
+            return Err(err("SET_LOG_BASE: log size zero or above 1 GiB"));
+        }
+        // Every page of the memory table needs its bit.
+        if self.memory_end().div_ceil(LOG_PAGE * 8) > size {
+            return Err(err("SET_LOG_BASE: the log is smaller than the guest memory it must cover"));
+        }
+        let meta = file.metadata().map_err(VuError::ReqHandlerError)?;
+        let id = (meta.dev(), meta.ino(), size, offset);
+        if self.log.as_ref().is_some_and(|(_, was)| *was == id) {
+            // QEMU 7.2 sends the same log once per queue pair.
+            return Ok(());
+        }
+        let (map, skip) = crate::memory::map_log(&file, size, offset).map_err(|e| {
+            tracing::warn!("cannot map the dirty log: {e}");
+            VuError::InvalidOperation("cannot map the dirty log")
+        })?;
+        let dirty = DirtyLog::new(map, skip, size as usize).ok_or_else(|| err("SET_LOG_BASE: bad log size"))?;
+        tracing::info!("dirty log set: {size} bytes at offset {offset}, pages below {:#x}", size * 8 * LOG_PAGE);
+        // The previous log stays mapped until nothing holds it.
+        self.log = Some((Arc::new(dirty), id));
+        self.apply_log()
     }
 }

@@ -39,7 +39,8 @@ const BLK_BASE: u64 =
     f::BLK_SIZE_MAX | f::BLK_SEG_MAX | f::BLK_BLK_SIZE | f::BLK_FLUSH | f::BLK_TOPOLOGY | f::BLK_CONFIG_WCE | f::BLK_MQ;
 /// Ring and vhost-user features a blk device offers (no IN_ORDER: requests
 /// may complete in any order).
-const RING_OFFERED: u64 = f::VERSION_1 | f::EVENT_IDX | f::INDIRECT_DESC | f::RING_PACKED | f::PROTOCOL_FEATURES;
+const RING_OFFERED: u64 =
+    f::VERSION_1 | f::EVENT_IDX | f::INDIRECT_DESC | f::RING_PACKED | f::LOG_ALL | f::PROTOCOL_FEATURES;
 
 /// A scratch directory (common's `tempdir`) removed with its contents on drop.
 struct Scratch(PathBuf);
@@ -470,6 +471,7 @@ fn config_space_and_features_of_a_writable_file() {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::LOG_SHMFD
     );
     assert_eq!(dev.blk_config().unwrap(), expected_config(size / 512, 1, false));
     assert_eq!(dev.max_queues(), 1);

@@ -46,6 +46,7 @@ const GET_FEATURES: u32 = 1;
 const SET_FEATURES: u32 = 2;
 const SET_OWNER: u32 = 3;
 const SET_MEM_TABLE: u32 = 5;
+const SET_LOG_BASE: u32 = 6;
 const SET_LOG_FD: u32 = 7;
 const SET_VRING_NUM: u32 = 8;
 const SET_VRING_ADDR: u32 = 9;
@@ -86,6 +87,7 @@ const NO_FD: u64 = 0x100;
 // Protocol feature bits.
 const PF_MQ: u64 = 1 << 0;
 const PF_LOG_SHMFD: u64 = 1 << 1;
+const PF_RARP: u64 = 1 << 2;
 const PF_REPLY_ACK: u64 = 1 << 3;
 const PF_CONFIG: u64 = 1 << 9;
 const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
@@ -93,7 +95,9 @@ const PF_RESET_DEVICE: u64 = 1 << 13;
 const PF_MEM_SLOTS: u64 = 1 << 15;
 const PF_STATUS: u64 = 1 << 16;
 /// What vhostd offers (session.rs `protocol_features`).
-const NET_PROTOCOL: u64 = PF_MQ | PF_REPLY_ACK | PF_CONFIG | PF_RESET_DEVICE | PF_MEM_SLOTS | PF_STATUS;
+const NET_PROTOCOL: u64 = PF_MQ | PF_LOG_SHMFD | PF_REPLY_ACK | PF_CONFIG | PF_RESET_DEVICE | PF_MEM_SLOTS | PF_STATUS;
+/// VHOST_F_LOG_ALL: offered on every device.
+const LOG_ALL: u64 = f::LOG_ALL;
 const BLK_PROTOCOL: u64 = NET_PROTOCOL | PF_INFLIGHT_SHMFD;
 
 /// Virtio features vhostd offers on the loopback backend.
@@ -109,6 +113,7 @@ const NET_OFFERED: u64 = f::VERSION_1
     | (1 << 18) // CTRL_RX
     | f::NET_MQ
     | (1 << 23) // CTRL_MAC_ADDR
+    | LOG_ALL
     | f::PROTOCOL_FEATURES;
 /// What the null blk backend offers.
 const BLK_OFFERED: u64 = f::VERSION_1
@@ -124,6 +129,7 @@ const BLK_OFFERED: u64 = f::VERSION_1
     | f::BLK_MQ
     | f::BLK_DISCARD
     | f::BLK_WRITE_ZEROES
+    | LOG_ALL
     | f::PROTOCOL_FEATURES;
 
 /// The frontend-virtual address raw tests give their memory.
@@ -155,6 +161,19 @@ fn vring_addr(index: u32, desc: u64, used: u64, avail: u64) -> Vec<u8> {
         b.extend_from_slice(&a.to_le_bytes());
     }
     b
+}
+
+/// Vring address description with VHOST_VRING_F_LOG and log_guest_addr.
+fn vring_addr_logged(index: u32, desc: u64, used: u64, avail: u64, log: u64) -> Vec<u8> {
+    let mut b = vring_addr(index, desc, used, avail);
+    b[4..8].copy_from_slice(&1u32.to_le_bytes());
+    b[32..40].copy_from_slice(&log.to_le_bytes());
+    b
+}
+
+/// SET_LOG_BASE payload: mmap size, mmap offset.
+fn log_base(size: u64, offset: u64) -> Vec<u8> {
+    [size, offset].iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
 /// One region: guest address, size, frontend address, mmap offset.
@@ -788,6 +807,64 @@ fn missing_file_descriptors() {
     r.expect_alive(BLK_OFFERED, "after refused SET_INFLIGHT_FD");
     drop(r);
     blk_serves_next(d, &w);
+}
+
+#[test]
+fn bad_dirty_logs_close_the_connection() {
+    // QEMU waits for SET_LOG_BASE's reply, which comes only once the log is
+    // mapped: a log that cannot be used leaves closing as the answer.
+    let d = net_daemon();
+    let w = Watch::new(&d);
+    let mem = memfd(MIB);
+    // 1 MiB from guest address 1 MiB: the log needs 64 bytes (512 pages).
+    let table = mem_table(&[reg(MIB, MIB, UADDR, 0)]);
+    let log = memfd(4096);
+    let e = eventfd();
+    let cases: [(&str, Vec<u8>, &[RawFd]); 6] = [
+        ("SET_LOG_BASE without its fd", log_base(4096, 0), &[]),
+        ("SET_LOG_BASE with an eventfd for a log", log_base(4096, 0), &[e.as_raw_fd()]),
+        ("SET_LOG_BASE of 32 bytes for 2 MiB of guest addresses", log_base(32, 0), &[log.as_raw_fd()]),
+        ("SET_LOG_BASE past the end of its file", log_base(4096, 4096), &[log.as_raw_fd()]),
+        ("SET_LOG_BASE of 0 bytes", log_base(0, 0), &[log.as_raw_fd()]),
+        ("SET_LOG_BASE of 2 GiB", log_base(2 << 30, 0), &[log.as_raw_fd()]),
+    ];
+    for (what, body, fds) in cases {
+        let mut r = Raw::net(&d);
+        r.send_fds(SET_MEM_TABLE, NEED_REPLY, &table, &[mem.as_raw_fd()]);
+        r.expect_ack(SET_MEM_TABLE, 0, "SET_MEM_TABLE");
+        r.send_fds(SET_LOG_BASE, 0, &body, fds);
+        r.expect_closed(what);
+        w.alive();
+    }
+    // LOG_SHMFD not negotiated: the request is not one this connection has.
+    let mut r = Raw::connect(&d);
+    r.handshake(f::VERSION_1, NET_PROTOCOL & !PF_LOG_SHMFD);
+    r.send_fds(SET_LOG_BASE, 0, &log_base(4096, 0), &[log.as_raw_fd()]);
+    r.expect_closed("SET_LOG_BASE without LOG_SHMFD");
+    w.alive();
+
+    // VHOST_VRING_F_LOG before any log: accepted (QEMU sends a device
+    // started mid-migration its ring addresses first, the log after).
+    let mut r = Raw::net(&d);
+    r.send_fds(SET_MEM_TABLE, NEED_REPLY, &table, &[mem.as_raw_fd()]);
+    r.expect_ack(SET_MEM_TABLE, 0, "SET_MEM_TABLE");
+    r.accepted(SET_FEATURES, &u64b(f::VERSION_1 | f::PROTOCOL_FEATURES | LOG_ALL), "SET_FEATURES with LOG_ALL");
+    r.accepted(SET_VRING_NUM, &state(0, 256), "SET_VRING_NUM");
+    let addr = vring_addr_logged(0, MIB, MIB + 0x3000, MIB + 0x1000, MIB + 0x3000);
+    r.accepted(SET_VRING_ADDR, &addr, "SET_VRING_ADDR with VHOST_VRING_F_LOG and no log");
+    // A log that fits is answered with a reply of its own, twice (QEMU
+    // 7.2 sends it once per queue pair).
+    for n in ["first", "second"] {
+        r.send_fds(SET_LOG_BASE, 0, &log_base(64, 0), &[log.as_raw_fd()]);
+        let body = r.reply(SET_LOG_BASE, &format!("the {n} SET_LOG_BASE"));
+        assert!(body.len() <= 16, "SET_LOG_BASE reply of {} bytes", body.len());
+    }
+    // Turning the log off and on again while nothing runs.
+    r.accepted(SET_FEATURES, &u64b(f::VERSION_1 | f::PROTOCOL_FEATURES), "SET_FEATURES without LOG_ALL");
+    r.accepted(SET_FEATURES, &u64b(f::VERSION_1 | f::PROTOCOL_FEATURES | LOG_ALL), "SET_FEATURES with LOG_ALL again");
+    r.expect_alive(NET_OFFERED, "after the dirty log requests");
+    drop(r);
+    net_serves_next(d, &w);
 }
 
 #[test]
@@ -1593,7 +1670,7 @@ fn set_protocol_features_with_unknown_bits_is_refused() {
         ("bit 40", PF_REPLY_ACK | 1 << 40),
         ("bit 63", PF_REPLY_ACK | 1 << 63),
         ("every bit", u64::MAX),
-        ("LOG_SHMFD (not offered)", PF_REPLY_ACK | PF_LOG_SHMFD),
+        ("RARP (not offered)", PF_REPLY_ACK | PF_RARP),
         ("INFLIGHT_SHMFD on net", PF_REPLY_ACK | PF_INFLIGHT_SHMFD),
     ] {
         r.refused(SET_PROTOCOL_FEATURES, &u64b(bits), &format!("SET_PROTOCOL_FEATURES with {what}"));

@@ -530,14 +530,7 @@ fn loopback_packed_ring_in_order_poll_mode() {
 /// what came back, in order.
 fn random_workload(packed: bool, mrg: bool, seed: u64, queue_size: u16) -> Vec<Vec<u8>> {
     let d = Daemon::start(&["--backend", "loopback"]);
-    let mut opts = d.options();
-    if packed {
-        opts.features |= f::RING_PACKED;
-    }
-    if !mrg {
-        opts.features &= !f::NET_MRG_RXBUF;
-    }
-    let mut dev = VirtioUser::connect(opts).unwrap();
+    let mut dev = VirtioUser::connect(d.ring_options(packed, mrg)).unwrap();
     assert_eq!(dev.packed(), packed);
     let (mut rx, mut tx) = dev.net_queue_pair(0, queue_size).unwrap();
     let mix = |x: u64| {

@@ -608,6 +608,17 @@ impl DirtyLog {
         }
     }
 
+    /// Bytes of bitmap (8 pages a byte).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the bitmap has no bytes (never: `new` takes any length, the
+    /// transport refuses zero).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Whether page `page` is marked.
     pub fn is_marked(&self, page: u64) -> bool {
         let byte = page / 8;
@@ -1251,6 +1262,12 @@ impl SplitRing {
             size,
             log: RingLog { log: mem.log.clone() },
         })
+    }
+
+    /// Logs used-ring stores at guest-physical `gpa` instead of where the
+    /// ring was found (vhost-user's log_guest_addr).
+    pub(crate) fn log_used_at(&mut self, gpa: u64) {
+        self.used_gpa = gpa;
     }
 
     #[inline(always)]

@@ -78,6 +78,16 @@ impl Queue {
         each!(self, q => &mut q.stats)
     }
 
+    /// Where used-ring stores are logged (vhost-user's log_guest_addr; None:
+    /// where the ring is). A split ring's used ring only: a packed ring's
+    /// device writes go to its descriptor ring and device event area, logged
+    /// where they are.
+    pub fn set_used_log(&mut self, gpa: Option<u64>) {
+        if let Queue::Split(q) = self {
+            q.set_used_log(gpa);
+        }
+    }
+
     /// The same ring over a new memory table, at `at` in it (a table change
     /// can move the ring's guest-physical addresses).
     pub fn remap(&self, mem: Arc<GuestMemory>, at: RingAddrs) -> Result<Queue, SetupError> {

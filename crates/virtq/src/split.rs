@@ -42,6 +42,8 @@ pub struct SplitQueue {
     mem: Arc<GuestMemory>,
     cfg: SplitConfig,
     ring: SplitRing,
+    /// Where used-ring stores are logged, if not at the used ring.
+    used_log: Option<u64>,
     event_idx: bool,
     indirect: bool,
     in_order: bool,
@@ -99,6 +101,7 @@ impl SplitQueue {
             mem,
             cfg,
             ring,
+            used_log: None,
             event_idx: cfg.features & features::EVENT_IDX != 0,
             indirect: cfg.features & features::INDIRECT_DESC != 0,
             in_order: cfg.features & features::IN_ORDER != 0,
@@ -126,7 +129,16 @@ impl SplitQueue {
         q.published_used = self.published_used;
         q.stats = self.stats;
         q.broken = self.broken;
+        q.set_used_log(self.used_log);
         Ok(q)
+    }
+
+    /// Logs used-ring stores at guest-physical `gpa` (vhost-user's
+    /// log_guest_addr, given with VHOST_VRING_F_LOG), or, with None, where
+    /// the used ring is. Matters only while the memory has a dirty log.
+    pub fn set_used_log(&mut self, gpa: Option<u64>) {
+        self.used_log = gpa;
+        self.ring.log_used_at(gpa.unwrap_or(self.cfg.used));
     }
 
     /// Where the ring's areas sit in guest-physical memory.

@@ -95,6 +95,19 @@ impl Daemon {
         Options::new(&self.sock)
     }
 
+    /// The frontend's default options for this daemon, with a packed or
+    /// split ring and mergeable RX buffers or not.
+    pub fn ring_options(&self, packed: bool, mrg: bool) -> Options {
+        let mut opts = self.options();
+        if packed {
+            opts.features |= vhostd_user::features::RING_PACKED;
+        }
+        if !mrg {
+            opts.features &= !vhostd_user::features::NET_MRG_RXBUF;
+        }
+        opts
+    }
+
     /// Connects the project's frontend with default options.
     pub fn connect(&self) -> VirtioUser {
         VirtioUser::connect(self.options()).expect("connect frontend")
