@@ -16,6 +16,8 @@ QEMU_PID=
 
 NETNS=
 NETNS_PIDS=
+# More QEMUs a test starts (each a `timeout` leading its process group).
+QEMU_PIDS_MORE=
 PEER_NETNS=
 
 qemu_cleanup() {
@@ -23,7 +25,10 @@ qemu_cleanup() {
     # the cleanup under the caller's `set -e` or ERR trap.
     set +e; trap - ERR
     # QEMU_PID is `timeout`, which leads its own process group (QEMU's too).
-    [ -n "$QEMU_PID" ] && { kill -9 -- "-$QEMU_PID" 2>/dev/null; kill -9 "$QEMU_PID" 2>/dev/null; }
+    local p
+    for p in $QEMU_PID $QEMU_PIDS_MORE; do
+        kill -9 -- "-$p" 2>/dev/null; kill -9 "$p" 2>/dev/null
+    done
     [ -n "$VHOSTD_PID" ] && kill -9 "$VHOSTD_PID" 2>/dev/null
     # shellcheck disable=SC2086 # a list of pids
     [ -n "$NETNS_PIDS" ] && kill -9 $NETNS_PIDS 2>/dev/null
@@ -152,19 +157,20 @@ vhostd_total() {
 # -device...), console in $WORK/console.log. GUEST_SMP (default 1) CPUs;
 # GUEST_ARGS is appended to the kernel command line. With QEMU_NETNS set,
 # QEMU runs in that network namespace (its own -netdev then sees the
-# namespace's interfaces).
+# namespace's interfaces); QEMU_CONSOLE names another console file, and
+# QEMU_ERR another stderr file.
 start_qemu() {
     local scenario=$1 timeout=$2; shift 2
-    local ns=()
+    local ns=() console=${QEMU_CONSOLE:-$WORK/console.log}
     [ -n "${QEMU_NETNS:-}" ] && ns=(ip netns exec "$QEMU_NETNS")
-    : > "$WORK/console.log"
+    : > "$console"
     timeout "$timeout" "${ns[@]}" "$QEMU" -name vhostd-test,debug-threads=on -accel tcg -m 256M -smp "${GUEST_SMP:-1}" \
         -object memory-backend-memfd,id=mem0,size=256M,share=on -numa node,memdev=mem0 \
         "$@" \
         -kernel "$GUEST_DIR/vmlinuz" -initrd "$GUEST_DIR/initramfs.cpio.gz" \
         -append "console=ttyS0 panic=-1 quiet vhostd.test=$scenario ${GUEST_ARGS:-}" \
-        -display none -serial "file:$WORK/console.log" -no-reboot -monitor none \
-        2> "$WORK/qemu.err" &
+        -display none -serial "file:$console" -no-reboot -monitor none \
+        2> "${QEMU_ERR:-$WORK/qemu.err}" &
     QEMU_PID=$!
 }
 
