@@ -49,6 +49,11 @@ pub mod features {
     pub const CTRL_VQ: u64 = 1 << n::VIRTIO_NET_F_CTRL_VQ;
     /// VIRTIO_NET_F_CTRL_RX
     pub const CTRL_RX: u64 = 1 << n::VIRTIO_NET_F_CTRL_RX;
+    /// VIRTIO_NET_F_GUEST_ANNOUNCE: the guest announces itself (gratuitous
+    /// ARP) when asked, after a live migration. QEMU asks it, through the
+    /// config status and its own control queue; a frontend that hands the
+    /// control queue to vhostd gets VIRTIO_NET_CTRL_ANNOUNCE_ACK answered.
+    pub const GUEST_ANNOUNCE: u64 = 1 << n::VIRTIO_NET_F_GUEST_ANNOUNCE;
     /// VIRTIO_NET_F_MQ
     pub const MQ: u64 = 1 << n::VIRTIO_NET_F_MQ;
     /// VIRTIO_NET_F_CTRL_MAC_ADDR
@@ -106,6 +111,7 @@ pub const DEVICE_FEATURES: u64 = features::MAC
     | features::STATUS
     | features::CTRL_VQ
     | features::CTRL_RX
+    | features::GUEST_ANNOUNCE
     | features::MQ
     | features::CTRL_MAC_ADDR;
 

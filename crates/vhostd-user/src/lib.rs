@@ -73,6 +73,8 @@ pub mod features {
     pub const NET_HOST_TSO4: u64 = net::HOST_TSO4;
     /// VIRTIO_NET_F_MAC
     pub const NET_MAC: u64 = net::MAC;
+    /// VIRTIO_NET_F_GUEST_ANNOUNCE
+    pub const NET_GUEST_ANNOUNCE: u64 = net::GUEST_ANNOUNCE;
     /// VIRTIO_NET_F_MRG_RXBUF
     pub const NET_MRG_RXBUF: u64 = net::MRG_RXBUF;
     /// VIRTIO_NET_F_STATUS

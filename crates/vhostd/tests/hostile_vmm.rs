@@ -111,6 +111,7 @@ const NET_OFFERED: u64 = f::VERSION_1
     | f::NET_STATUS
     | f::NET_CTRL_VQ
     | (1 << 18) // CTRL_RX
+    | f::NET_GUEST_ANNOUNCE
     | f::NET_MQ
     | (1 << 23) // CTRL_MAC_ADDR
     | LOG_ALL
