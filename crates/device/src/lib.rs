@@ -63,6 +63,17 @@ pub trait Device: Send + Sync {
     fn tracks_inflight(&self) -> bool {
         false
     }
+    /// Whether the device can announce a MAC on its wire ([`Device::announce`]).
+    fn announces(&self) -> bool {
+        false
+    }
+    /// Sends a RARP frame from `mac` out through the backend soon (vhost-
+    /// user's SEND_RARP: after a live migration, for a guest that cannot
+    /// announce itself, so switches learn its new port). False if the
+    /// device cannot.
+    fn announce(&self, _mac: [u8; 6]) -> bool {
+        false
+    }
     /// The negotiated features that matter, for the log ("mergeable rx").
     fn describe_features(&self, _features: u64) -> String {
         String::new()

@@ -4,7 +4,7 @@
 //! pair's backend) and the control queue ([`CtrlGroup`]).
 
 use std::os::unix::io::RawFd;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vhostd_backends::{Backends, Link, NetBackend, TapControl};
@@ -35,6 +35,11 @@ struct Shared {
     /// Wakes the worker of each pair group (a change of active pairs must
     /// reach sleeping workers, whose TAP queues attach or detach).
     wakers: Mutex<Vec<Option<Waker>>>,
+    /// A MAC to announce with a RARP frame (SEND_RARP), which the first
+    /// pair's group sends at its next pass; `announce_pending` says one
+    /// waits, so the pass reads only an atomic.
+    announce_mac: Mutex<Option<[u8; 6]>>,
+    announce_pending: AtomicBool,
 }
 
 impl Shared {
@@ -73,6 +78,8 @@ pub fn build(backends: Backends, mac: [u8; 6], max_queue_size: u16) -> Built {
         tap: backends.tap,
         link: backends.link,
         wakers: Mutex::new((0..pairs).map(|_| None).collect()),
+        announce_mac: Mutex::new(None),
+        announce_pending: AtomicBool::new(false),
     });
     let mut groups: Vec<Box<dyn QueueGroup>> = backends
         .queues
@@ -98,6 +105,23 @@ pub fn build(backends: Backends, mac: [u8; 6], max_queue_size: u16) -> Built {
 impl Device for NetDevice {
     fn kind(&self) -> &'static str {
         "net"
+    }
+
+    fn announces(&self) -> bool {
+        self.shared.pairs > 0
+    }
+
+    fn announce(&self, mac: [u8; 6]) -> bool {
+        let Ok(mut m) = self.shared.announce_mac.lock() else { return false };
+        *m = Some(mac);
+        drop(m);
+        self.shared.announce_pending.store(true, Ordering::Release);
+        if let Ok(w) = self.shared.wakers.lock() {
+            if let Some(Some(w)) = w.first() {
+                w.wake();
+            }
+        }
+        true
     }
 
     /// IN_ORDER costs nothing: every path completes chains in the order it
@@ -169,6 +193,11 @@ impl Device for NetDevice {
         }
         // No guest, no offloaded frames.
         s.apply_guest_offloads(0);
+        // An announcement not sent yet was for that guest.
+        s.announce_pending.store(false, Ordering::Release);
+        if let Ok(mut m) = s.announce_mac.lock() {
+            *m = None;
+        }
     }
 
     fn describe_features(&self, features: u64) -> String {
@@ -240,6 +269,34 @@ pub struct PairGroup {
     tx_blocked: bool,
 }
 
+impl PairGroup {
+    /// Sends the RARP frame SEND_RARP asked for, if the backend takes a
+    /// frame now (else at a later pass).
+    fn send_announcement(&mut self) {
+        if !self.shared.announce_pending.swap(false, Ordering::Acquire) {
+            return;
+        }
+        let Some(mac) = self.shared.announce_mac.lock().ok().and_then(|mut m| m.take()) else { return };
+        let frame = crate::rarp_frame(mac);
+        match self.backend.tx_buffers(1).first_mut() {
+            Some(b) if b.room() >= frame.len() => {
+                b.storage()[..frame.len()].copy_from_slice(&frame);
+                b.len = frame.len();
+                b.vnet_hdr = Default::default();
+                self.backend.tx_commit(1);
+                tracing::info!("RARP sent for {}", crate::mac_string(mac));
+            }
+            _ => {
+                // No room now: the next pass tries again.
+                if let Ok(mut m) = self.shared.announce_mac.lock() {
+                    m.get_or_insert(mac);
+                }
+                self.shared.announce_pending.store(true, Ordering::Release);
+            }
+        }
+    }
+}
+
 impl QueueGroup for PairGroup {
     fn ring_slots(&self) -> usize {
         2
@@ -251,6 +308,11 @@ impl QueueGroup for PairGroup {
 
     /// TX, then RX (only while the driver uses this pair).
     fn poll(&mut self, rings: &mut [Option<Ring>]) -> Pass {
+        // SEND_RARP's frame goes out while the device runs (pair 0's TX
+        // ring attached), as QEMU sends it; a reset drops it.
+        if self.pair == 0 && self.shared.announce_pending.load(Ordering::Relaxed) && rings[TX].is_some() {
+            self.send_announcement();
+        }
         let mut moved = 0;
         let t0 = tsc();
         self.tx_blocked = false;

@@ -152,6 +152,30 @@ impl Layout {
 /// VIRTIO_NET_S_LINK_UP
 pub const STATUS_LINK_UP: u16 = virtio_bindings::virtio_net::VIRTIO_NET_S_LINK_UP as u16;
 
+/// The frame that announces `mac` on a wire after a live migration, as
+/// QEMU's own announce makes it: a broadcast RARP request (EtherType
+/// 0x8035, operation 3) with `mac` as sender and target hardware address
+/// and no protocol addresses, padded to the 60-byte minimum.
+pub fn rarp_frame(mac: [u8; 6]) -> [u8; 60] {
+    let mut f = [0u8; 60];
+    f[0..6].copy_from_slice(&[0xff; 6]);
+    f[6..12].copy_from_slice(&mac);
+    f[12..14].copy_from_slice(&0x8035u16.to_be_bytes());
+    f[14..16].copy_from_slice(&1u16.to_be_bytes()); // Ethernet
+    f[16..18].copy_from_slice(&0x0800u16.to_be_bytes()); // IPv4
+    f[18] = 6;
+    f[19] = 4;
+    f[20..22].copy_from_slice(&3u16.to_be_bytes()); // reverse request
+    f[22..28].copy_from_slice(&mac);
+    f[32..38].copy_from_slice(&mac);
+    f
+}
+
+/// `mac` as 02:00:00:00:00:01.
+pub fn mac_string(mac: [u8; 6]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
 /// The device config space (virtio_net_config), as far as we fill it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NetConfig {
@@ -565,6 +589,17 @@ pub fn process_ctrl(q: &mut Queue, batch: &mut Batch, state: &mut CtrlState) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rarp_frame_is_qemus_announce() {
+        let mac = [0x52, 0x54, 0, 0x12, 0x34, 0x56];
+        let f = rarp_frame(mac);
+        assert_eq!(&f[..14], &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x52, 0x54, 0, 0x12, 0x34, 0x56, 0x80, 0x35]);
+        assert_eq!(&f[14..22], &[0, 1, 8, 0, 6, 4, 0, 3]);
+        assert_eq!((&f[22..28], &f[28..32], &f[32..38], &f[38..42]), (&mac[..], &[0; 4][..], &mac[..], &[0; 4][..]));
+        assert!(f[42..].iter().all(|&b| b == 0));
+        assert_eq!(mac_string(mac), "52:54:00:12:34:56");
+    }
 
     #[test]
     fn config_layout() {

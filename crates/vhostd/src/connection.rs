@@ -32,11 +32,13 @@ type Own = fn(&UnixStream, &Mutex<Session>, u32, &[u8], usize) -> io::Result<boo
 /// - SET_VRING_ADDR with misaligned addresses (a guest chooses them; QEMU
 ///   passes them on): the crate fails it as a malformed message and the
 ///   connection would close; it is refused with an error reply instead.
+/// - SEND_RARP: the crate does not know it.
 const OWN: &[(FrontendReq, u32, Own)] = &[
     (FrontendReq::SET_STATUS, 8, set_status),
     (FrontendReq::GET_STATUS, 0, get_status),
     (FrontendReq::SET_VRING_ENABLE, 8, set_vring_enable),
     (FrontendReq::SET_VRING_ADDR, 40, set_vring_addr_misaligned),
+    (FrontendReq::SEND_RARP, 8, send_rarp),
 ];
 
 /// Requests whose answer carries a payload (the `vhost` crate replies only
@@ -216,6 +218,20 @@ fn set_vring_enable(conn: &UnixStream, session: &Mutex<Session>, flags: u32, _: 
     ack(conn, &s, FrontendReq::SET_VRING_ENABLE, flags, ok)
 }
 
+/// The MAC is the payload's first 6 bytes (QEMU's vhost_user_migration_done).
+/// Without protocol feature RARP the request is not one this connection
+/// has: it closes, as unknown requests do.
+fn send_rarp(conn: &UnixStream, session: &Mutex<Session>, flags: u32, _: &[u8], len: usize) -> io::Result<bool> {
+    let msg = consume(conn, len)?;
+    let mut mac = [0u8; 6];
+    mac.copy_from_slice(&msg[HEADER..HEADER + 6]);
+    let s = locked(session)?;
+    let Some(ok) = s.send_rarp(mac) else {
+        return Err(io::Error::other("SEND_RARP without protocol feature RARP"));
+    };
+    ack(conn, &s, FrontendReq::SEND_RARP, flags, ok)
+}
+
 /// Aligned addresses go to the generic handler (false, nothing consumed),
 /// and so does a message not all arrived yet.
 fn set_vring_addr_misaligned(
@@ -317,7 +333,7 @@ mod tests {
     fn the_tables_name_the_requests_they_mean() {
         // The numbers of docs/interop/vhost-user.rst.
         let own: Vec<(u32, u32)> = OWN.iter().map(|(r, size, _)| (u32::from(*r), *size)).collect();
-        assert_eq!(own, [(39, 8), (40, 0), (18, 8), (9, 40)]);
+        assert_eq!(own, [(39, 8), (40, 0), (18, 8), (9, 40), (19, 8)]);
         let replying: Vec<u32> = REPLYING.iter().map(|&r| u32::from(r)).collect();
         assert_eq!(replying, [1, 11, 15, 17, 24, 31, 36, 40, 6]);
         assert_eq!((REPLY, NEED_REPLY), (0x4, 0x8));

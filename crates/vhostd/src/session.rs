@@ -58,6 +58,8 @@ impl Served {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::STATUS
             | VhostUserProtocolFeatures::LOG_SHMFD;
+        // A net device announces a migrated guest's MAC (SEND_RARP).
+        let f = if self.device.announces() { f | VhostUserProtocolFeatures::RARP } else { f };
         if self.device.tracks_inflight() {
             // Requests in flight survive a backend restart (split rings).
             f | VhostUserProtocolFeatures::INFLIGHT_SHMFD
@@ -436,6 +438,17 @@ impl Session {
     /// VHOST_USER_F_PROTOCOL_FEATURES, so SET_PROTOCOL_FEATURES decides).
     pub fn reply_ack(&self) -> bool {
         self.protocol & VhostUserProtocolFeatures::REPLY_ACK.bits() != 0
+    }
+
+    /// SEND_RARP (QEMU, after a migration, for a guest without
+    /// GUEST_ANNOUNCE): the device sends a RARP frame from `mac`. None when
+    /// the protocol feature was not negotiated; else whether it will send.
+    pub fn send_rarp(&self, mac: [u8; 6]) -> Option<bool> {
+        if self.protocol & VhostUserProtocolFeatures::RARP.bits() == 0 {
+            return None;
+        }
+        tracing::info!("SEND_RARP for {}", mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"));
+        Some(self.dev.device.announce(mac))
     }
 
     /// SET_VRING_ENABLE, answered here rather than by the `vhost` crate,

@@ -88,6 +88,7 @@ const NO_FD: u64 = 0x100;
 const PF_MQ: u64 = 1 << 0;
 const PF_LOG_SHMFD: u64 = 1 << 1;
 const PF_RARP: u64 = 1 << 2;
+const PF_BACKEND_REQ: u64 = 1 << 5;
 const PF_REPLY_ACK: u64 = 1 << 3;
 const PF_CONFIG: u64 = 1 << 9;
 const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
@@ -95,10 +96,12 @@ const PF_RESET_DEVICE: u64 = 1 << 13;
 const PF_MEM_SLOTS: u64 = 1 << 15;
 const PF_STATUS: u64 = 1 << 16;
 /// What vhostd offers (session.rs `protocol_features`).
-const NET_PROTOCOL: u64 = PF_MQ | PF_LOG_SHMFD | PF_REPLY_ACK | PF_CONFIG | PF_RESET_DEVICE | PF_MEM_SLOTS | PF_STATUS;
+const COMMON_PROTOCOL: u64 =
+    PF_MQ | PF_LOG_SHMFD | PF_REPLY_ACK | PF_CONFIG | PF_RESET_DEVICE | PF_MEM_SLOTS | PF_STATUS;
+const NET_PROTOCOL: u64 = COMMON_PROTOCOL | PF_RARP;
 /// VHOST_F_LOG_ALL: offered on every device.
 const LOG_ALL: u64 = f::LOG_ALL;
-const BLK_PROTOCOL: u64 = NET_PROTOCOL | PF_INFLIGHT_SHMFD;
+const BLK_PROTOCOL: u64 = COMMON_PROTOCOL | PF_INFLIGHT_SHMFD;
 
 /// Virtio features vhostd offers on the loopback backend.
 const NET_OFFERED: u64 = f::VERSION_1
@@ -869,6 +872,33 @@ fn bad_dirty_logs_close_the_connection() {
 }
 
 #[test]
+fn send_rarp_is_served_only_when_negotiated() {
+    let d = net_daemon();
+    let w = Watch::new(&d);
+    // Without protocol feature RARP it is not a request this connection has.
+    let mut r = Raw::connect(&d);
+    r.handshake(f::VERSION_1, NET_PROTOCOL & !PF_RARP);
+    r.send(SEND_RARP, NEED_REPLY, &u64b(0x5634_1200_5452));
+    r.expect_closed("SEND_RARP without RARP negotiated");
+    w.alive();
+    // With it: acknowledged, also before any ring runs; a short payload closes.
+    let mut r = Raw::net(&d);
+    r.accepted(SEND_RARP, &u64b(0x5634_1200_5452), "SEND_RARP");
+    r.accepted(SEND_RARP, &u64b(u64::MAX), "SEND_RARP of ff:ff:ff:ff:ff:ff");
+    r.expect_alive(NET_OFFERED, "after SEND_RARP");
+    r.send(SEND_RARP, NEED_REPLY, &[0x52, 0x54, 0, 0x12]);
+    r.expect_closed("SEND_RARP with 4 payload bytes");
+    w.alive();
+    drop(r);
+    net_serves_next(d, &w);
+    // blk has no wire: the feature is not offered there.
+    let d = blk_daemon();
+    let mut r = Raw::connect(&d);
+    r.send(GET_PROTOCOL_FEATURES, 0, &[]);
+    assert_eq!(r.reply_u64(GET_PROTOCOL_FEATURES, "blk GET_PROTOCOL_FEATURES") & PF_RARP, 0);
+}
+
+#[test]
 fn add_mem_reg_without_its_fd_is_answered() {
     let d = net_daemon();
     let w = Watch::new(&d);
@@ -1370,7 +1400,6 @@ fn unknown_and_unserved_request_codes_close_the_connection() {
         ("request 1000", 1000, vec![], false),
         ("request 0xffffffff", u32::MAX, vec![], false),
         ("SET_LOG_FD", SET_LOG_FD, vec![], true),
-        ("SEND_RARP", SEND_RARP, u64b(0x0102_0304_0506), false),
         ("NET_SET_MTU", NET_SET_MTU, u64b(9000), false),
         ("IOTLB_MSG", IOTLB_MSG, vec![0; 40], false),
         ("SET_VRING_ENDIAN", SET_VRING_ENDIAN, state(0, 1), false),
@@ -1671,7 +1700,7 @@ fn set_protocol_features_with_unknown_bits_is_refused() {
         ("bit 40", PF_REPLY_ACK | 1 << 40),
         ("bit 63", PF_REPLY_ACK | 1 << 63),
         ("every bit", u64::MAX),
-        ("RARP (not offered)", PF_REPLY_ACK | PF_RARP),
+        ("BACKEND_REQ (not offered)", PF_REPLY_ACK | PF_BACKEND_REQ),
         ("INFLIGHT_SHMFD on net", PF_REPLY_ACK | PF_INFLIGHT_SHMFD),
     ] {
         r.refused(SET_PROTOCOL_FEATURES, &u64b(bits), &format!("SET_PROTOCOL_FEATURES with {what}"));

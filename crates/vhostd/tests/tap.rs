@@ -135,6 +135,41 @@ fn frames_cross_the_tap_both_ways_in_order() {
     assert_eq!(s.queue(1, "dropped"), 0);
 }
 
+#[test]
+fn send_rarp_puts_the_announcement_on_the_wire() {
+    // What QEMU sends after a live migration for a guest without
+    // GUEST_ANNOUNCE: vhostd must put a RARP from the guest's MAC on the wire.
+    let (ns, tap, d) = tap_daemon("r", &[]);
+    let host = Packet::open(&ns, &tap, 0x8035, false);
+    let sock = std::os::unix::net::UnixStream::connect(&d.sock).unwrap();
+    let raw = sock.try_clone().unwrap();
+    let mut opts = d.options();
+    opts.protocol_features |= vhostd_user::VhostUserProtocolFeatures::RARP;
+    let mut dev = VirtioUser::from_stream(sock, opts).unwrap();
+    assert!(dev.protocol_features().contains(vhostd_user::VhostUserProtocolFeatures::RARP));
+    let (_rx, _tx) = dev.net_queue_pair(0, 256).unwrap();
+    let mac = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+    let mut body = mac.to_vec();
+    body.extend_from_slice(&[0, 0]);
+    // SEND_RARP (19), no reply asked: QEMU's vhost_user_migration_done.
+    let msg = vhost_user_msg(19, 0, &body);
+    assert_eq!(send_with_fds(&raw, &msg, &[]).unwrap(), msg.len());
+    let got = host.recv(T).expect("no RARP frame on the TAP");
+    let mut want = vec![0xff; 6];
+    want.extend_from_slice(&mac);
+    want.extend_from_slice(&[0x80, 0x35, 0, 1, 8, 0, 6, 4, 0, 3]);
+    want.extend_from_slice(&mac);
+    want.extend_from_slice(&[0; 4]);
+    want.extend_from_slice(&mac);
+    want.extend_from_slice(&[0; 4]);
+    want.resize(60, 0);
+    assert_eq!(got, want);
+    // Once: nothing more follows.
+    assert_eq!(host.recv(Duration::from_millis(200)), None);
+    drop(dev);
+    d.stop();
+}
+
 /// Connects with TSO negotiated (if offered) and buffers big enough for a
 /// 64 KiB frame in one descriptor.
 fn connect_tso(d: &Daemon) -> VirtioUser {
