@@ -372,13 +372,18 @@ impl BlkQueue {
         // The backend has nothing left: a request still running was lost
         // (cannot happen with a correct backend); answer it IOERR rather
         // than keep pointers into memory that is about to go.
+        let mut lost = 0;
         for (i, slot) in self.slots.iter_mut().enumerate() {
             if matches!(slot.stage, Stage::Running | Stage::RunningThenFlush) {
                 slot.stage = Stage::Done;
                 slot.status = status::IOERR;
                 self.stats.ioerr += 1;
                 self.done.push(i as u32);
+                lost += 1;
             }
+        }
+        if lost > 0 {
+            tracing::warn!("ring stopped with {lost} request(s) the backend never completed: answered IOERR");
         }
         self.complete_done(q);
         // Idle slots keep the last table held (see IoBufs); the ring is
