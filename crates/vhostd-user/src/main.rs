@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use vhostd_user::blk::workload::{self, Workload};
-use vhostd_user::{blk, build_udp_frame, features, NetStats, Options, RxQueue, TxQueue, VirtioUser};
+use vhostd_user::{
+    blk, build_udp_frame, features, DirtyLog, NetStats, Options, RxQueue, TxQueue, VirtQueue, VirtioUser,
+};
 
 #[derive(Parser)]
 #[command(name = "vhostd-user", version, about = "vhost-user frontend (virtio-user) for vhostd tests and benchmarks")]
@@ -91,6 +93,10 @@ struct BlkArgs {
     /// Guest memory in MiB (default: what the queues need).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=65536))]
     mem_mb: Option<u64>,
+    /// Turn on dirty-page logging once the queues run, as QEMU does while
+    /// migrating (SET_LOG_BASE, LOG_ALL, VHOST_VRING_F_LOG): its cost.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    dirty_log: Switch,
     /// How long to keep retrying to connect while the backend is not listening yet.
     #[arg(long, default_value = "10", value_parser = parse_duration)]
     connect_timeout: f64,
@@ -165,9 +171,23 @@ struct NetArgs {
     /// Guest memory in MiB (a memfd, not hugepages).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
     mem_mb: u64,
+    /// Turn on dirty-page logging once the queues run, as QEMU does while
+    /// migrating (SET_LOG_BASE, LOG_ALL, VHOST_VRING_F_LOG): its cost.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    dirty_log: Switch,
     /// How long to keep retrying to connect while the backend is not listening yet.
     #[arg(long, default_value = "10", value_parser = parse_duration)]
     connect_timeout: f64,
+}
+
+/// A log covering the guest memory, handed to the backend and turned on
+/// for `queues` (kept alive by the caller while the workload runs).
+fn start_dirty_log(dev: &mut VirtioUser, queues: &[&VirtQueue]) -> Result<DirtyLog, String> {
+    let end = dev.memory().gpa_base() + dev.memory().size();
+    let log = DirtyLog::covering(end).map_err(|e| format!("dirty log: {e}"))?;
+    dev.start_dirty_log(&log, queues).map_err(|e| format!("dirty log: {e}"))?;
+    eprintln!("vhostd-user: dirty logging on ({} bytes of log)", log.size());
+    Ok(log)
 }
 
 fn parse_duration(s: &str) -> Result<f64, String> {
@@ -316,6 +336,12 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
         tx.queue.ring.disable_notifications();
         pairs.push((rx, tx));
     }
+    let _log = if a.dirty_log.on() {
+        let queues: Vec<&VirtQueue> = pairs.iter().flat_map(|(rx, tx)| [&rx.queue, &tx.queue]).collect();
+        Some(start_dirty_log(&mut dev, &queues)?)
+    } else {
+        None
+    };
     let src = dev.net_config().map(|c| c.mac).unwrap_or([0x02, 0, 0, 0, 0, 0x01]);
     let frame = build_udp_frame(a.pkt_size as usize, src, [0x02, 0, 0, 0, 0, 0x02]);
     if a.mode == Mode::Txonly {
@@ -519,6 +545,12 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
     for i in 0..a.queues {
         queues.push(dev.blk_queue(i, a.iodepth, a.bs).map_err(|e| format!("queue {i}: {e}"))?);
     }
+    let _log = if a.dirty_log.on() {
+        let qs: Vec<&VirtQueue> = queues.iter().map(|q| &q.queue).collect();
+        Some(start_dirty_log(&mut dev, &qs)?)
+    } else {
+        None
+    };
     if let Some(cpu) = a.cpu {
         pin_to(cpu)?;
     }
