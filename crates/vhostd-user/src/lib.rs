@@ -638,19 +638,26 @@ impl VirtioUser {
         let f = if on { self.features | features::LOG_ALL } else { self.features };
         self.fe.set_features(f).map_err(vh("SET_FEATURES"))?;
         for q in queues {
-            let l = q.ring.layout();
-            let cfg = VringConfigData {
-                queue_max_size: l.size,
-                queue_size: l.size,
-                flags: u32::from(on),
-                desc_table_addr: self.mem.gpa_to_uaddr(l.desc),
-                used_ring_addr: self.mem.gpa_to_uaddr(l.used),
-                avail_ring_addr: self.mem.gpa_to_uaddr(l.avail),
-                log_addr: on.then_some(l.used),
-            };
-            self.fe.set_vring_addr(q.index(), &cfg).map_err(vh("SET_VRING_ADDR"))?;
+            self.set_vring_log(q, on.then_some(q.ring.layout().used))?;
         }
         Ok(())
+    }
+
+    /// SET_VRING_ADDR of `q`'s own addresses, with VHOST_VRING_F_LOG and
+    /// log_guest_addr `log` (None: without the flag). QEMU gives the used
+    /// ring's (or device area's) guest address; a test may give another.
+    pub fn set_vring_log(&mut self, q: &VirtQueue, log: Option<u64>) -> Result<(), Error> {
+        let l = q.ring.layout();
+        let cfg = VringConfigData {
+            queue_max_size: l.size,
+            queue_size: l.size,
+            flags: u32::from(log.is_some()),
+            desc_table_addr: self.mem.gpa_to_uaddr(l.desc),
+            used_ring_addr: self.mem.gpa_to_uaddr(l.used),
+            avail_ring_addr: self.mem.gpa_to_uaddr(l.avail),
+            log_addr: log,
+        };
+        self.fe.set_vring_addr(q.index(), &cfg).map_err(vh("SET_VRING_ADDR"))
     }
 
     /// Whether the backend closed the socket (a non-blocking check).

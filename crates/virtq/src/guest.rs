@@ -1265,7 +1265,8 @@ impl SplitRing {
     }
 
     /// Logs used-ring stores at guest-physical `gpa` instead of where the
-    /// ring was found (vhost-user's log_guest_addr).
+    /// ring was found (vhost-user's log_guest_addr). The frontend chooses
+    /// it: offsets are added wrapping, and the log ignores pages past its end.
     pub(crate) fn log_used_at(&mut self, gpa: u64) {
         self.used_gpa = gpa;
     }
@@ -1291,7 +1292,7 @@ impl SplitRing {
         debug_assert!(off + 2 <= used_ring_size(self.size) as usize);
         // SAFETY: as used_u16; the used ring is the device's to write.
         unsafe { std::ptr::write_volatile(self.used.add(off) as *mut u16, v.to_le()) };
-        self.log.mark(self.used_gpa + off as u64, 2);
+        self.log.mark(self.used_gpa.wrapping_add(off as u64), 2);
     }
 
     /// avail.flags.
@@ -1354,7 +1355,7 @@ impl SplitRing {
             std::ptr::write_volatile(p, (id as u32).to_le());
             std::ptr::write_volatile(p.add(1), len.to_le());
         }
-        self.log.mark(self.used_gpa + off as u64, 8);
+        self.log.mark(self.used_gpa.wrapping_add(off as u64), 8);
     }
 }
 
