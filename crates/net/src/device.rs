@@ -348,7 +348,13 @@ impl QueueGroup for PairGroup {
         if moved > 0 {
             return Pass::did(moved);
         }
-        Pass { work: 0, deferred: self.backend.retry_deferred(), stalled: self.tx_blocked, yields: false }
+        // An announcement the backend had no room for is retried soon,
+        // not at the next kick (one waiting for the TX ring to start waits
+        // for that instead).
+        let announce_waits =
+            self.pair == 0 && rings[TX].is_some() && self.shared.announce_pending.load(Ordering::Relaxed);
+        let deferred = self.backend.retry_deferred() | announce_waits;
+        Pass { work: 0, deferred, stalled: self.tx_blocked, yields: false }
     }
 
     fn event_fd(&self) -> Option<RawFd> {
