@@ -270,6 +270,13 @@ pub struct PairGroup {
 }
 
 impl PairGroup {
+    /// SEND_RARP's frame waits to go out: pair 0's, while the device runs
+    /// (its TX ring attached), as QEMU sends it; a reset drops it.
+    #[inline(always)]
+    fn announce_waits(&self, rings: &[Option<Ring>]) -> bool {
+        self.pair == 0 && rings[TX].is_some() && self.shared.announce_pending.load(Ordering::Relaxed)
+    }
+
     /// Sends the RARP frame SEND_RARP asked for, if the backend takes a
     /// frame now (else at a later pass).
     fn send_announcement(&mut self) {
@@ -308,9 +315,7 @@ impl QueueGroup for PairGroup {
 
     /// TX, then RX (only while the driver uses this pair).
     fn poll(&mut self, rings: &mut [Option<Ring>]) -> Pass {
-        // SEND_RARP's frame goes out while the device runs (pair 0's TX
-        // ring attached), as QEMU sends it; a reset drops it.
-        if self.pair == 0 && self.shared.announce_pending.load(Ordering::Relaxed) && rings[TX].is_some() {
+        if self.announce_waits(rings) {
             self.send_announcement();
         }
         let mut moved = 0;
@@ -349,11 +354,8 @@ impl QueueGroup for PairGroup {
             return Pass::did(moved);
         }
         // An announcement the backend had no room for is retried soon,
-        // not at the next kick (one waiting for the TX ring to start waits
-        // for that instead).
-        let announce_waits =
-            self.pair == 0 && rings[TX].is_some() && self.shared.announce_pending.load(Ordering::Relaxed);
-        let deferred = self.backend.retry_deferred() | announce_waits;
+        // not at the next kick.
+        let deferred = self.backend.retry_deferred() | self.announce_waits(rings);
         Pass { work: 0, deferred, stalled: self.tx_blocked, yields: false }
     }
 

@@ -547,16 +547,7 @@ impl VirtioUser {
         let l = q.ring.layout();
         self.fe.set_vring_num(i, l.size).map_err(vh("SET_VRING_NUM"))?;
         self.fe.set_vring_base(i, base).map_err(vh("SET_VRING_BASE"))?;
-        let cfg = VringConfigData {
-            queue_max_size: l.size,
-            queue_size: l.size,
-            flags: 0,
-            desc_table_addr: self.mem.gpa_to_uaddr(l.desc),
-            used_ring_addr: self.mem.gpa_to_uaddr(l.used),
-            avail_ring_addr: self.mem.gpa_to_uaddr(l.avail),
-            log_addr: None,
-        };
-        self.fe.set_vring_addr(i, &cfg).map_err(vh("SET_VRING_ADDR"))?;
+        self.set_vring_log(q, None)?;
         self.fe.set_vring_kick(i, q.kick_fd()).map_err(vh("SET_VRING_KICK"))?;
         self.fe.set_vring_call(i, q.call_fd()).map_err(vh("SET_VRING_CALL"))?;
         if self.features & features::PROTOCOL_FEATURES != 0 {

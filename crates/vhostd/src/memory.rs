@@ -77,31 +77,23 @@ impl FrontendAddrs {
 }
 
 /// Maps a region the frontend sent: `size` bytes of `file` from `offset`,
-/// at guest-physical `gpa`. The mapping is registered with the SIGBUS
-/// handler for as long as it lives.
+/// at guest-physical `gpa`.
 pub fn map_region(file: &File, gpa: u64, size: u64, offset: u64) -> io::Result<Region> {
-    // Map from the page holding the region start; offsets that are not
-    // page aligned are mapped from the file start as libvhost-user does.
-    let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
-    let len =
-        size.checked_add(skip).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "region size overflows"))?;
-    let mapping = Mapping::map(file, map_off, len)?;
-    let registration = register(mapping.host_range());
-    Region::new(gpa, size, Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip)
+    let (mapping, skip) = map_shared(file, size, offset)?;
+    Region::new(gpa, size, mapping, skip)
 }
 
-/// Maps the dirty-page log the frontend sent (SET_LOG_BASE): `size` bytes
-/// of `file` from `offset`, registered with the SIGBUS handler like a
-/// region. Returns the mapping and where the log starts in it.
-pub fn map_log(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, usize)> {
+/// Maps `size` bytes of a file the frontend sent (a memory region, the
+/// dirty log) from `offset`, registered with the SIGBUS handler for as long
+/// as the mapping lives. Returns the mapping and where the bytes start in
+/// it: an offset that is not page aligned is mapped from the file start,
+/// as libvhost-user does.
+pub fn map_shared(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, u64)> {
     let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
-    let len = size
-        .checked_add(skip)
-        .filter(|&l| l <= isize::MAX as u64)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "log size overflows"))?;
+    let len = size.checked_add(skip).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size overflows"))?;
     let mapping = Mapping::map(file, map_off, len)?;
     let registration = register(mapping.host_range());
-    Ok((Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip as usize))
+    Ok((Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip))
 }
 
 // ---- surviving a frontend that truncates its memory ----------------------

@@ -211,7 +211,7 @@ impl Session {
         }
         let Some(place) = self.locate(i) else { return Ok(()) };
         let Some(w) = self.dev.worker(place.group) else { return Ok(()) };
-        let queue = match self.vrings[i].parked.take() {
+        let mut queue = match self.vrings[i].parked.take() {
             Some(q) => q,
             None => {
                 let v = &self.vrings[i];
@@ -250,7 +250,6 @@ impl Session {
                 })?
             }
         };
-        let mut queue = queue;
         queue.set_used_log(self.vrings[i].log_addr);
         let v = &mut self.vrings[i];
         // The worker gives kick and call back when the ring stops.
@@ -379,14 +378,19 @@ impl Session {
         self.mem.regions().iter().map(|r| r.gpa().saturating_add(r.size())).max().unwrap_or(0)
     }
 
+    /// Bytes of dirty log the memory table needs: a bit per page.
+    fn log_bytes_needed(&self) -> u64 {
+        self.memory_end().div_ceil(LOG_PAGE * 8)
+    }
+
     /// Warns when the table reaches past the log: those pages cannot be
     /// marked. (QEMU grows the log before it grows the table.)
     fn check_log_covers(&self) {
         if let Some(log) = self.mem.log() {
-            let end = self.memory_end();
-            if end.div_ceil(LOG_PAGE * 8) > log.len() as u64 {
+            if self.log_bytes_needed() > log.len() as u64 {
                 tracing::warn!(
-                    "guest memory ends at {end:#x}, past what the dirty log covers: stores there go unlogged"
+                    "guest memory ends at {:#x}, past what the dirty log covers: stores there go unlogged",
+                    self.memory_end()
                 );
             }
         }
@@ -447,7 +451,7 @@ impl Session {
         if self.protocol & VhostUserProtocolFeatures::RARP.bits() == 0 {
             return None;
         }
-        tracing::info!("SEND_RARP for {}", mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"));
+        tracing::info!("SEND_RARP for {}", vhostd_net::mac_string(mac));
         Some(self.dev.device.announce(mac))
     }
 
@@ -804,7 +808,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             return Err(err("SET_LOG_BASE: log size zero or above 1 GiB"));
         }
         // Every page of the memory table needs its bit.
-        if self.memory_end().div_ceil(LOG_PAGE * 8) > size {
+        if self.log_bytes_needed() > size {
             return Err(err("SET_LOG_BASE: the log is smaller than the guest memory it must cover"));
         }
         let meta = file.metadata().map_err(VuError::ReqHandlerError)?;
@@ -813,11 +817,12 @@ impl VhostUserBackendReqHandlerMut for Session {
             // QEMU 7.2 sends the same log once per queue pair.
             return Ok(());
         }
-        let (map, skip) = crate::memory::map_log(&file, size, offset).map_err(|e| {
+        let (map, skip) = crate::memory::map_shared(&file, size, offset).map_err(|e| {
             tracing::warn!("cannot map the dirty log: {e}");
             VuError::InvalidOperation("cannot map the dirty log")
         })?;
-        let dirty = DirtyLog::new(map, skip, size as usize).ok_or_else(|| err("SET_LOG_BASE: bad log size"))?;
+        let dirty =
+            DirtyLog::new(map, skip as usize, size as usize).ok_or_else(|| err("SET_LOG_BASE: bad log size"))?;
         tracing::info!("dirty log set: {size} bytes at offset {offset}, pages below {:#x}", size * 8 * LOG_PAGE);
         // The previous log stays mapped until nothing holds it.
         self.log = Some((Arc::new(dirty), id));
