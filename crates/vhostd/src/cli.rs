@@ -467,7 +467,7 @@ pub struct NetArgs {
     /// How dataplane threads wait for work: interrupt (sleep on kicks when
     /// idle), poll (spin, kicks suppressed), adaptive (spin while busy and
     /// for --poll-idle-us after the last packet, then sleep on kicks).
-    #[arg(long, value_enum, default_value_t = WaitMode::Interrupt)]
+    #[arg(long, value_enum, default_value_t = WaitMode::Adaptive)]
     pub mode: WaitMode,
     /// Same as --mode poll.
     #[arg(long, conflicts_with = "mode")]
@@ -525,7 +525,7 @@ pub struct BlkArgs {
     #[arg(long, default_value_t = 1024, value_parser = parse_queue_size)]
     pub queue_size: u16,
     /// How dataplane threads wait for work (see `vhostd net --help`).
-    #[arg(long, value_enum, default_value_t = WaitMode::Interrupt)]
+    #[arg(long, value_enum, default_value_t = WaitMode::Adaptive)]
     pub mode: WaitMode,
     /// Same as --mode poll.
     #[arg(long, conflicts_with = "mode")]

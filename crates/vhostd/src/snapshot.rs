@@ -166,7 +166,7 @@ impl Serialize for QueueSnapshot {
 /// When the process started counting (for `uptime_s`), and the TSC rate.
 fn started() -> &'static (Instant, u64) {
     static S: OnceLock<(Instant, u64)> = OnceLock::new();
-    S.get_or_init(|| (Instant::now(), tsc_hz()))
+    S.get_or_init(|| (Instant::now(), measure_tsc_hz()))
 }
 
 /// Starts the clock the snapshots count from (call early).
@@ -174,9 +174,15 @@ pub fn init() {
     started();
 }
 
+/// TSC ticks per second (measured once per process, over 20 ms); 0 where
+/// there is no TSC.
+pub fn tsc_hz() -> u64 {
+    started().1
+}
+
 /// TSC ticks per second, measured over 20 ms (the busy-cycle counters are
 /// TSC ticks; readers turn them into CPU shares with this).
-fn tsc_hz() -> u64 {
+fn measure_tsc_hz() -> u64 {
     let (t0, i0) = (vhostd_device::tsc(), Instant::now());
     std::thread::sleep(std::time::Duration::from_millis(20));
     (vhostd_device::tsc().wrapping_sub(t0) as f64 / i0.elapsed().as_secs_f64()) as u64

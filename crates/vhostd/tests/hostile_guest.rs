@@ -1315,8 +1315,8 @@ fn thread_ticks(pid: i32, name: &str) -> u64 {
 }
 
 /// A head past the queue with another chain behind it: the ring is broken
-/// (NEEDS_RESET) and must stay quiet; the worker of pair 0 (interrupt
-/// mode) goes back to sleep rather than polling the dead ring.
+/// (NEEDS_RESET) and must stay quiet; the worker of pair 0 (the default,
+/// adaptive mode) goes back to sleep rather than polling the dead ring.
 ///
 /// (It used not to: `SplitQueue::pending` ignored `broken`, so the worker
 /// took the dead ring's chains for TX back-pressure and woke every
@@ -1334,8 +1334,11 @@ fn a_worker_sleeps_after_its_split_ring_broke_with_chains_behind_the_bad_head() 
         std::thread::sleep(Duration::from_millis(500));
         let (i1, c1) = (idle(vd), thread_ticks(vd.d.pid(), "vhostd-q0"));
         let (passes, ticks) = (i1 - i0, c1 - c0);
+        // Each stats query wakes the worker, and adaptive mode then spins
+        // 100 us (64 passes at least) before sleeping again: a few hundred
+        // passes. Waking every millisecond, as it did, makes tens of thousands.
         assert!(
-            passes < 50 && ticks <= 5,
+            passes < 1000 && ticks <= 5,
             "worker 0 made {passes} idle passes and used {ticks} of 50 CPU ticks in 0.5 s on a broken ring"
         );
         t.tx.no_used();
