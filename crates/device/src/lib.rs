@@ -164,6 +164,11 @@ pub struct Pass {
     /// Requests are in flight that the kernel finishes, often on this CPU:
     /// a polling worker yields its CPU instead of spinning.
     pub yields: bool,
+    /// A full burst came from a driver that does not wait for it to be
+    /// used (a net TX ring): the next is a gap away, and polling the ring
+    /// in that gap only pulls lines the driver is writing. Set on a pass
+    /// with work; the worker then backs off longer while idle.
+    pub streaming: bool,
 }
 
 impl Pass {
@@ -179,6 +184,7 @@ impl Pass {
             deferred: self.deferred | b.deferred,
             stalled: self.stalled | b.stalled,
             yields: self.yields | b.yields,
+            streaming: self.streaming | b.streaming,
         }
     }
 }

@@ -319,10 +319,12 @@ impl QueueGroup for PairGroup {
             self.send_announcement();
         }
         let mut moved = 0;
+        let mut streaming = false;
         let t0 = tsc();
         self.tx_blocked = false;
         if let Some(tx) = rings[TX].as_mut() {
             let n = process_tx(&mut tx.queue, &mut tx.batch, self.backend.as_mut(), self.layout, &mut self.tx);
+            streaming = n >= crate::BURST;
             if n > 0 {
                 tx.notify();
                 moved += n;
@@ -351,12 +353,12 @@ impl QueueGroup for PairGroup {
             }
         }
         if moved > 0 {
-            return Pass::did(moved);
+            return Pass { streaming, ..Pass::did(moved) };
         }
         // An announcement the backend had no room for is retried soon,
         // not at the next kick.
         let deferred = self.backend.retry_deferred() | self.announce_waits(rings);
-        Pass { work: 0, deferred, stalled: self.tx_blocked, yields: false }
+        Pass { deferred, stalled: self.tx_blocked, ..Pass::default() }
     }
 
     fn event_fd(&self) -> Option<RawFd> {

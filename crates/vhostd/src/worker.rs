@@ -242,6 +242,16 @@ const WAKE_TOKEN: u64 = u64::MAX;
 const EVENT_TOKEN: u64 = 1 << 62;
 /// Most `pause` instructions between two polls of idle rings (about a microsecond).
 const MAX_BACKOFF: u32 = 32;
+/// The cap after a pass that moved a full burst from a driver that does not
+/// wait for it (`Pass::streaming`: net TX): the frontend is sending as fast
+/// as it can and the next burst is a gap away. Polling its ring every
+/// microsecond in that gap cost a DPDK virtio-user frontend 40 % of its rate
+/// on a 1024-entry split ring (net-ab, 64 B guest->host: 14.4 against 24.8
+/// Mpps with this cap). Sparse traffic keeps the short cap, so a lone frame
+/// still waits about a microsecond at most. Not for closed loops such as blk
+/// at queue depth 32, where the driver waits for the burst's completions and
+/// the longer wait cost a third of the IOPS.
+const STREAMING_BACKOFF: u32 = 256;
 /// Idle passes with a group stalled before the worker sleeps between looks
 /// (a backend's completions normally arrive within microseconds; a downed
 /// interface must not cost a spinning CPU).
@@ -330,6 +340,8 @@ fn pin_to_cpu(cpu: usize) {
 impl Worker {
     fn run(mut self) -> WorkerReport {
         let mut backoff = 1u32;
+        // The back-off's cap: longer after a streaming burst (STREAMING_BACKOFF).
+        let mut backoff_cap = MAX_BACKOFF;
         // Adaptive mode: when work was last seen (taken on the first idle
         // pass after work, compared every 64 idle passes), and how long to
         // spin, in the clock's ticks.
@@ -358,6 +370,7 @@ impl Worker {
             if pass.work > 0 {
                 self.busy_iters += 1;
                 backoff = 1;
+                backoff_cap = if pass.streaming { STREAMING_BACKOFF } else { MAX_BACKOFF };
                 idle_run = 0;
                 self.blocked_passes = 0;
                 continue;
@@ -401,7 +414,7 @@ impl Worker {
                 for _ in 0..backoff {
                     std::hint::spin_loop();
                 }
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                backoff = (backoff * 2).min(backoff_cap);
                 continue;
             }
             idle_run = 0;
