@@ -165,9 +165,10 @@ pub struct Pass {
     /// a polling worker yields its CPU instead of spinning.
     pub yields: bool,
     /// A full burst came from a driver that does not wait for it to be
-    /// used (a net TX ring): the next is a gap away, and polling the ring
-    /// in that gap only pulls lines the driver is writing. Set on a pass
-    /// with work; the worker then backs off longer while idle.
+    /// used, and nothing went back (one-way net TX): the next burst is a
+    /// gap away, and polling the ring in that gap only pulls lines the
+    /// driver is writing. Set on a pass with work; the worker then backs
+    /// off longer while idle.
     pub streaming: bool,
 }
 
