@@ -319,12 +319,11 @@ impl QueueGroup for PairGroup {
             self.send_announcement();
         }
         let mut moved = 0;
-        let (mut streaming, mut tx_moved) = (false, 0);
+        let mut tx_moved = 0;
         let t0 = tsc();
         self.tx_blocked = false;
         if let Some(tx) = rings[TX].as_mut() {
             let n = process_tx(&mut tx.queue, &mut tx.batch, self.backend.as_mut(), self.layout, &mut self.tx);
-            streaming = n >= crate::BURST;
             tx_moved = n;
             if n > 0 {
                 tx.notify();
@@ -356,7 +355,7 @@ impl QueueGroup for PairGroup {
         if moved > 0 {
             // One-way only: frames going back to the guest in the same
             // pass may be what it waits for (a loop, a reply).
-            return Pass { streaming: streaming && moved == tx_moved, ..Pass::did(moved) };
+            return Pass { streaming: tx_moved >= crate::BURST && moved == tx_moved, ..Pass::did(moved) };
         }
         // An announcement the backend had no room for is retried soon,
         // not at the next kick.
