@@ -6,20 +6,22 @@ use std::io;
 use std::sync::Arc;
 
 use vhostd_blk::BlkDevice;
-use vhostd_device::{Built, QueueGroup};
+use vhostd_device::Built;
 
 use crate::endpoint::{self, Endpoint};
+use crate::pool::Pool;
 use crate::session::Served;
 use crate::spec::{describe_block, DataplaneSpec, DeviceKind, DeviceSpec, WaitSpec};
-use crate::worker::{self, Mode, RunState};
+use crate::worker::Mode;
 
 /// What a device needs kept alive beside its workers (an AF_XDP program's
 /// attachment).
 pub type Hold = Option<Box<dyn std::any::Any + Send>>;
 
 /// Builds the device `spec` describes: backends first (a TAP that cannot be
-/// opened leaves nothing behind), then the endpoint, then the workers.
-pub fn build(spec: &DeviceSpec) -> io::Result<(Arc<Served>, Endpoint, Hold)> {
+/// opened leaves nothing behind), then the endpoint, then its groups on
+/// `pool` (the daemon's shared pool) or on workers of its own.
+pub fn build(spec: &DeviceSpec, pool: Option<&Arc<Pool>>) -> io::Result<(Arc<Served>, Endpoint, Hold)> {
     let dp = &spec.dataplane;
     let (built, hold) = match &spec.device {
         DeviceKind::Net { backend, mac } => {
@@ -61,12 +63,17 @@ pub fn build(spec: &DeviceSpec) -> io::Result<(Arc<Served>, Endpoint, Hold)> {
         }
     };
     let endpoint = endpoint::open(&spec.endpoint)?;
-    let served = spawn(&spec.name, built, dp)?;
+    let pool = match pool {
+        Some(p) => p.clone(),
+        None => own_pool(&spec.name, dp)?,
+    };
+    let Built { device, groups } = built;
+    let served = Served::new(&spec.name, device, groups, dp.queues as usize, pool);
     Ok((Arc::new(served), endpoint, hold))
 }
 
 /// How the spec's wait mode runs on a worker.
-fn mode(wait: WaitSpec) -> Mode {
+pub fn mode(wait: WaitSpec) -> Mode {
     match wait {
         WaitSpec::Interrupt => Mode::Interrupt,
         WaitSpec::Poll => Mode::Poll,
@@ -74,28 +81,8 @@ fn mode(wait: WaitSpec) -> Mode {
     }
 }
 
-/// Starts one worker per queue: group i on worker i; a device's groups
-/// beyond its queues (the net control queue) go on worker 0.
-fn spawn(name: &str, built: Built, dp: &DataplaneSpec) -> io::Result<Served> {
-    let run = Arc::new(RunState::default());
-    let workers_n = (dp.queues as usize).max(1);
-    let mut per_worker: Vec<Vec<(usize, Box<dyn QueueGroup>)>> = (0..workers_n).map(|_| Vec::new()).collect();
-    let mut placement = Vec::with_capacity(built.groups.len());
-    for (g, group) in built.groups.into_iter().enumerate() {
-        let w = if g < workers_n { g } else { 0 };
-        per_worker[w].push((g, group));
-        placement.push(w);
-    }
-    let mut workers = Vec::with_capacity(workers_n);
-    for (i, groups) in per_worker.into_iter().enumerate() {
-        let cpu = dp.cpus.as_ref().filter(|c| !c.is_empty()).map(|c| c[i % c.len()]);
-        workers.push(worker::spawn(name, i, groups, mode(dp.wait), cpu, run.clone())?);
-    }
-    Ok(Served { device: built.device, workers, placement, run })
-}
-
-/// Stops a device's workers and returns their final counters.
-pub fn shutdown(served: &Served) -> Vec<worker::WorkerReport> {
-    served.run.stop.store(true, std::sync::atomic::Ordering::Release);
-    served.workers.iter().map(|w| w.join()).collect()
+/// A device's own workers: one per queue, pinned round robin to its CPUs
+/// (group i runs on worker i; see `Pool::place_new`).
+fn own_pool(name: &str, dp: &DataplaneSpec) -> io::Result<Arc<Pool>> {
+    Pool::new(name, (dp.queues as usize).max(1), mode(dp.wait), dp.cpus.as_deref(), false)
 }

@@ -15,7 +15,9 @@ use vhostd_block_backends::BlockSpec;
 /// moving packets and block requests on its own dataplane threads.
 ///
 /// One device: `vhostd net ...` or `vhostd blk ...`. Several devices in one
-/// daemon: `vhostd --config FILE`. Watch a running daemon: `vhostd stats`.
+/// daemon: `vhostd --config FILE`. A host daemon whose devices come and go:
+/// `vhostd --control PATH --workers N`, then `vhostd ctl add|remove|list|pin`.
+/// Watch a running daemon: `vhostd stats`.
 #[derive(Parser, Debug)]
 #[command(
     name = "vhostd",
@@ -44,6 +46,27 @@ pub struct Cli {
     /// call outside vhostd's list), trap (say which call, exit 159), off.
     #[arg(long, global = true, value_enum)]
     pub seccomp: Option<crate::sandbox::SeccompMode>,
+    /// Run every device's queues on one pool of N dataplane workers
+    /// (default: one per --worker-cpus CPU) instead of a thread per queue.
+    #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub workers: Option<u16>,
+    /// CPUs to pin the pool's workers to, e.g. "2,3" or "2-5" (worker i
+    /// gets the i-th, round robin). Implies a pool.
+    #[arg(long, global = true, value_name = "LIST", value_parser = parse_cpus)]
+    pub worker_cpus: Option<CpuList>,
+    /// How the pool's workers wait (as `vhostd net --mode`). Implies a
+    /// pool. [default: adaptive]
+    #[arg(long, global = true, value_enum, value_name = "MODE")]
+    pub worker_mode: Option<WaitMode>,
+    /// The pool's adaptive mode: microseconds without work before sleeping
+    /// (1..=1000000). [default: 100]
+    #[arg(long, global = true, value_name = "US", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub worker_idle_us: Option<u64>,
+    /// The pool's balancer moves a queue from a loaded worker to a less
+    /// loaded one at most once per SECONDS (0: never; pinned queues never
+    /// move). Implies a pool. [default: 10]
+    #[arg(long, global = true, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=86400))]
+    pub rebalance_interval: Option<u64>,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -53,6 +76,34 @@ impl Cli {
     pub fn try_parse_args(argv: &[String]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(argv)
     }
+
+    /// The shared worker pool these options ask for, if any.
+    pub fn pool(&self) -> Option<spec::PoolSpec> {
+        pool_spec(
+            self.workers.map(usize::from),
+            self.worker_cpus.as_ref().map(|c| c.0.clone()),
+            self.worker_mode,
+            self.worker_idle_us,
+            self.rebalance_interval,
+        )
+    }
+}
+
+/// The pool asked for by any of its options (None if none is given):
+/// `workers` defaults to one per CPU given, else 1.
+pub fn pool_spec(
+    workers: Option<usize>,
+    cpus: Option<Vec<usize>>,
+    mode: Option<WaitMode>,
+    idle_us: Option<u64>,
+    rebalance_s: Option<u64>,
+) -> Option<spec::PoolSpec> {
+    if workers.is_none() && cpus.is_none() && mode.is_none() && idle_us.is_none() && rebalance_s.is_none() {
+        return None;
+    }
+    let workers = workers.unwrap_or_else(|| cpus.as_ref().map_or(1, |c| c.len().max(1)));
+    let rebalance = std::time::Duration::from_secs(rebalance_s.unwrap_or(10));
+    Some(spec::PoolSpec { workers, cpus, wait: wait_spec(mode, idle_us), rebalance })
 }
 
 /// How log lines look.
@@ -85,6 +136,9 @@ pub enum Command {
     /// Show a running vhostd's devices and queues: rates and totals, read
     /// from its control socket (--control).
     Stats(StatsArgs),
+    /// Manage a running vhostd (--control): add and remove devices, list
+    /// where their queues run, pin a queue to a worker.
+    Ctl(CtlArgs),
     /// Do the privileged AF_XDP set-up (sockets, XDP program, XSKMAP), then
     /// run COMMAND (e.g. setpriv ... vhostd net ...) with the sockets
     /// inherited: `{sock-fds}` in its arguments becomes their numbers.
@@ -105,6 +159,99 @@ pub struct StatsArgs {
     /// Print the daemon's raw counters as one JSON object instead.
     #[arg(long, conflicts_with = "watch")]
     pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// Print the daemon's answer as JSON.
+    #[arg(long)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlCommand {
+    /// Add a device: `net|blk --name NAME` and the options of `vhostd
+    /// net|blk` (a --socket-path; no --fd). Nothing is left of a device
+    /// that cannot be built.
+    Add(CtlAdd),
+    /// Remove a device: its frontend sees the socket close; every other
+    /// device keeps running.
+    Remove {
+        /// The device's name.
+        name: String,
+    },
+    /// The workers, and each device's queues with the worker each runs on.
+    List,
+    /// Move a device's queue (as `list` numbers them) to a worker and keep
+    /// it there.
+    Pin {
+        /// The device's name.
+        name: String,
+        /// The queue.
+        queue: u32,
+        /// The worker.
+        worker: u32,
+    },
+    /// Let the balancer move a pinned queue again (it stays where it is).
+    Unpin {
+        /// The device's name.
+        name: String,
+        /// The queue.
+        queue: u32,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct CtlAdd {
+    /// net|blk --name NAME --socket-path PATH ... (see `vhostd net --help`).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, value_name = "DEVICE")]
+    pub words: Vec<String>,
+}
+
+/// A device from `vhostd ctl add`'s words: `net|blk`, `--name NAME`, and
+/// the options of `vhostd net|blk`, checked as the command line checks them.
+pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
+    let kind = words.first().map(String::as_str).unwrap_or("");
+    if kind != "net" && kind != "blk" {
+        return Err(format!("DEVICE '{kind}': expected net or blk, then --name NAME and its options"));
+    }
+    let mut name = None;
+    let mut argv = vec!["vhostd".to_string(), kind.to_string()];
+    let mut rest = words[1..].iter();
+    while let Some(w) = rest.next() {
+        if w == "--name" {
+            name = Some(rest.next().cloned().ok_or("--name: expected a name")?);
+        } else if let Some(n) = w.strip_prefix("--name=") {
+            name = Some(n.to_string());
+        } else {
+            argv.push(w.clone());
+        }
+    }
+    let parsed = Cli::try_parse_args(&argv).map_err(|e| match e.kind() {
+        clap::error::ErrorKind::DisplayHelp => e.render().to_string(),
+        _ => format!("vhostd ctl add {kind}: {}", crate::config::clap_message(&e)),
+    })?;
+    let args = match parsed.command {
+        Some(Command::Net(a)) => DeviceArgs::Net(a),
+        Some(Command::Blk(a)) => DeviceArgs::Blk(a),
+        _ => return Err(format!("DEVICE '{kind}': expected net or blk")),
+    };
+    let name = name.ok_or("--name: required (the device's name in `vhostd ctl list`, stats and metrics)")?;
+    if !crate::config::valid_name(&name) {
+        return Err(format!("--name '{name}': expected 1 to 32 letters, digits, '-', '_' or '.'"));
+    }
+    if args.fd().is_some() {
+        return Err("--fd: a device added at runtime listens on (or connects to) a --socket-path".into());
+    }
+    if matches!(&args, DeviceArgs::Net(a) if a.print_capabilities)
+        || matches!(&args, DeviceArgs::Blk(a) if a.print_capabilities)
+    {
+        return Err("--print-capabilities: run `vhostd net|blk --print-capabilities` instead".into());
+    }
+    args.check()?;
+    Ok(args.to_spec(name))
 }
 
 fn parse_interval(s: &str) -> Result<f64, String> {
@@ -200,16 +347,30 @@ fn dataplane(
     queues: u16,
     queue_size: u16,
     poll: bool,
-    mode: WaitMode,
-    idle_us: u64,
+    mode: Option<WaitMode>,
+    idle_us: Option<u64>,
     cpus: &Option<CpuList>,
 ) -> spec::DataplaneSpec {
-    let wait = match (poll, mode) {
-        (true, _) | (false, WaitMode::Poll) => spec::WaitSpec::Poll,
-        (false, WaitMode::Interrupt) => spec::WaitSpec::Interrupt,
-        (false, WaitMode::Adaptive) => spec::WaitSpec::Adaptive { idle: std::time::Duration::from_micros(idle_us) },
+    let wait_given = if poll {
+        Some("poll")
+    } else if mode.is_some() {
+        Some("mode")
+    } else {
+        idle_us.map(|_| "poll-idle-us")
     };
-    spec::DataplaneSpec { queues, queue_size, wait, cpus: cpus.as_ref().map(|c| c.0.clone()) }
+    let wait = wait_spec(if poll { Some(WaitMode::Poll) } else { mode }, idle_us);
+    spec::DataplaneSpec { queues, queue_size, wait, wait_given, cpus: cpus.as_ref().map(|c| c.0.clone()) }
+}
+
+/// A wait mode and adaptive mode's idle time, defaults filled in.
+pub fn wait_spec(mode: Option<WaitMode>, idle_us: Option<u64>) -> spec::WaitSpec {
+    match mode.unwrap_or(WaitMode::Adaptive) {
+        WaitMode::Poll => spec::WaitSpec::Poll,
+        WaitMode::Interrupt => spec::WaitSpec::Interrupt,
+        WaitMode::Adaptive => {
+            spec::WaitSpec::Adaptive { idle: std::time::Duration::from_micros(idle_us.unwrap_or(100)) }
+        }
+    }
 }
 
 /// A net device's checks across options that clap cannot express.
@@ -466,15 +627,17 @@ pub struct NetArgs {
     pub queue_size: u16,
     /// How dataplane threads wait for work: interrupt (sleep on kicks when
     /// idle), poll (spin, kicks suppressed), adaptive (spin while busy and
-    /// for --poll-idle-us after the last packet, then sleep on kicks).
-    #[arg(long, value_enum, default_value_t = WaitMode::Adaptive)]
-    pub mode: WaitMode,
+    /// for --poll-idle-us after the last packet, then sleep on kicks). With
+    /// a worker pool, the pool's (--worker-mode). [default: adaptive]
+    #[arg(long, value_enum)]
+    pub mode: Option<WaitMode>,
     /// Same as --mode poll.
     #[arg(long, conflicts_with = "mode")]
     pub poll: bool,
-    /// Adaptive mode: microseconds without work before sleeping (1..=1000000).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    pub poll_idle_us: u64,
+    /// Adaptive mode: microseconds without work before sleeping
+    /// (1..=1000000). [default: 100]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub poll_idle_us: Option<u64>,
     /// CPUs to pin the dataplane threads to, e.g. "0", "0,1" or "0-3" (thread i gets the i-th, round robin).
     #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
     pub cpus: Option<CpuList>,
@@ -525,14 +688,16 @@ pub struct BlkArgs {
     #[arg(long, default_value_t = 1024, value_parser = parse_queue_size)]
     pub queue_size: u16,
     /// How dataplane threads wait for work (see `vhostd net --help`).
-    #[arg(long, value_enum, default_value_t = WaitMode::Adaptive)]
-    pub mode: WaitMode,
+    /// [default: adaptive]
+    #[arg(long, value_enum)]
+    pub mode: Option<WaitMode>,
     /// Same as --mode poll.
     #[arg(long, conflicts_with = "mode")]
     pub poll: bool,
-    /// Adaptive mode: microseconds without work before sleeping (1..=1000000).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    pub poll_idle_us: u64,
+    /// Adaptive mode: microseconds without work before sleeping
+    /// (1..=1000000). [default: 100]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub poll_idle_us: Option<u64>,
     /// CPUs to pin the dataplane threads to, e.g. "0", "0,1" or "0-3".
     #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
     pub cpus: Option<CpuList>,
@@ -681,7 +846,7 @@ fn online_cpus() -> Vec<usize> {
     }
 }
 
-fn parse_cpus(s: &str) -> Result<CpuList, String> {
+pub fn parse_cpus(s: &str) -> Result<CpuList, String> {
     let bad = || format!("expected a CPU list like '0', '0,1' or '0-3', got '{s}'");
     let mut cpus = Vec::new();
     for part in s.split(',') {

@@ -5,9 +5,17 @@
 //! command line mean the same thing. Errors name the file, the line and the
 //! key.
 //!
+//! A `[dataplane]` table (`workers`, `cpus`, `mode`, `poll-idle-us`,
+//! `rebalance-interval`: the global `--worker-*` options) runs every device on one shared pool of
+//! workers; its devices then take no `mode` or `cpus` of their own. With
+//! a control socket a file may hold no devices: they come with `vhostd ctl add`.
+//!
 //! ```toml
 //! control = "/run/vhostd/control.sock"
 //! metrics = "127.0.0.1:9480"
+//!
+//! [dataplane]
+//! cpus = "2-3"
 //!
 //! [[net]]
 //! name = "net0"
@@ -43,6 +51,8 @@ pub struct Config {
     pub log_format: Option<LogFormat>,
     /// The system call filter.
     pub seccomp: Option<crate::sandbox::SeccompMode>,
+    /// The shared worker pool (`[dataplane]`).
+    pub pool: Option<crate::spec::PoolSpec>,
     /// The devices, in file order.
     pub devices: Vec<DeviceSpec>,
 }
@@ -57,6 +67,7 @@ struct RawFile {
     #[serde(rename = "log-format")]
     log_format: Option<Spanned<String>>,
     seccomp: Option<Spanned<String>>,
+    dataplane: Option<Spanned<Table>>,
     #[serde(default)]
     net: Vec<Spanned<Table>>,
     #[serde(default)]
@@ -118,6 +129,10 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
             return Err(format!("{}: key `control`: expected a socket path", at(c.span().start)));
         }
     }
+    let pool = match &raw.dataplane {
+        Some(t) => Some(dataplane(path, text, t)?),
+        None => None,
+    };
     let mut devices: Vec<(DeviceSpec, usize)> = Vec::new();
     for (kind, tables) in [("net", &raw.net), ("blk", &raw.blk)] {
         for (i, table) in tables.iter().enumerate() {
@@ -125,8 +140,18 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
             devices.push((dev, table.span().start));
         }
     }
-    if devices.is_empty() {
-        return Err(format!("{}: no devices: add a [[net]] or [[blk]] table", path.display()));
+    if devices.is_empty() && raw.control.is_none() {
+        return Err(format!(
+            "{}: no devices: add a [[net]] or [[blk]] table (or a `control` socket to add them at runtime)",
+            path.display()
+        ));
+    }
+    if pool.is_some() {
+        for (d, off) in &devices {
+            d.dataplane
+                .check_pooled()
+                .map_err(|e| format!("{}: device `{}` (with [dataplane]): {e}", at(*off), d.name))?;
+        }
     }
     devices.sort_by_key(|(_, at)| *at);
     for (i, (d, off)) in devices.iter().enumerate() {
@@ -150,8 +175,47 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
         metrics: raw.metrics.map(|m| m.into_inner()),
         log_format,
         seccomp,
+        pool,
         devices: devices.into_iter().map(|(d, _)| d).collect(),
     })
+}
+
+/// The `[dataplane]` table: the shared worker pool.
+fn dataplane(path: &Path, text: &str, table: &Spanned<Table>) -> Result<crate::spec::PoolSpec, String> {
+    let (mut workers, mut cpus, mut mode, mut idle, mut rebalance) = (None, None, None, None, None);
+    for (key, value) in table.get_ref() {
+        let k = key.get_ref().as_str();
+        let here =
+            |msg: &str| format!("{}:{}: [dataplane] key `{k}`: {msg}", path.display(), line_of(text, key.span().start));
+        match (k, value.get_ref()) {
+            ("workers", toml::Value::Integer(n)) if (1..=256).contains(n) => workers = Some(*n as usize),
+            ("workers", _) => return Err(here("expected a number of workers from 1 to 256")),
+            ("cpus", toml::Value::String(s)) => cpus = Some(cli::parse_cpus(s).map_err(|e| here(&e))?.0),
+            ("cpus", toml::Value::Integer(n)) => cpus = Some(cli::parse_cpus(&n.to_string()).map_err(|e| here(&e))?.0),
+            ("cpus", _) => return Err(here("expected a CPU list like \"2\", \"2,3\" or \"2-5\"")),
+            ("mode", toml::Value::String(s)) => {
+                mode = Some(match s.as_str() {
+                    "poll" => cli::WaitMode::Poll,
+                    "interrupt" => cli::WaitMode::Interrupt,
+                    "adaptive" => cli::WaitMode::Adaptive,
+                    _ => return Err(here(&format!("expected \"adaptive\", \"poll\" or \"interrupt\", got \"{s}\""))),
+                })
+            }
+            ("mode", _) => return Err(here("expected \"adaptive\", \"poll\" or \"interrupt\"")),
+            ("poll-idle-us", toml::Value::Integer(n)) if (1..=1_000_000).contains(n) => idle = Some(*n as u64),
+            ("poll-idle-us", _) => return Err(here("expected microseconds from 1 to 1000000")),
+            ("rebalance-interval", toml::Value::Integer(n)) if (0..=86400).contains(n) => rebalance = Some(*n as u64),
+            ("rebalance-interval", _) => return Err(here("expected seconds from 0 (never) to 86400")),
+            _ => return Err(here("unknown key (known: workers, cpus, mode, poll-idle-us, rebalance-interval)")),
+        }
+    }
+    // An empty [dataplane] still asks for a pool: one worker.
+    Ok(cli::pool_spec(workers, cpus, mode, idle, rebalance).unwrap_or(crate::spec::PoolSpec {
+        workers: 1,
+        cpus: None,
+        wait: cli::wait_spec(None, None),
+        rebalance: std::time::Duration::from_secs(10),
+    }))
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -234,7 +298,7 @@ pub fn valid_name(s: &str) -> bool {
 }
 
 /// clap's message without its "error: " prefix and usage lines.
-fn clap_message(e: &clap::Error) -> String {
+pub fn clap_message(e: &clap::Error) -> String {
     let s = e.render().to_string();
     let first = s.lines().next().unwrap_or("").trim();
     first.strip_prefix("error: ").unwrap_or(first).to_string()

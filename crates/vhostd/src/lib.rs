@@ -11,6 +11,7 @@
 //! `worker`s. `registry` lists the devices for `control` (`vhostd stats`)
 //! and `metrics`, which render `snapshot`s.
 
+pub mod balance;
 pub mod build;
 pub mod cli;
 pub mod config;
@@ -21,6 +22,7 @@ pub mod man;
 pub mod memory;
 pub mod metrics;
 pub mod notify;
+pub mod pool;
 pub mod registry;
 pub mod sandbox;
 pub mod server;

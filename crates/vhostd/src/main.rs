@@ -23,11 +23,20 @@ fn main() -> ExitCode {
         control: args.control.clone(),
         metrics: args.metrics,
         seccomp: args.seccomp.unwrap_or_default(),
+        pool: args.pool(),
     };
     let (devices, globals, format) = match args.command {
+        None if args.config.is_none() => {
+            // `vhostd --control PATH [--workers N ...]`: devices come at runtime.
+            if args.control.is_none() {
+                eprintln!("vhostd: nothing to serve: give `net` or `blk`, --config FILE, or --control PATH to add devices with `vhostd ctl add`");
+                return ExitCode::from(2);
+            }
+            (Vec::new(), cli_globals, args.log_format.unwrap_or(LogFormat::Text))
+        }
         None => {
-            // `vhostd --config FILE` (clap requires one or the other).
-            let path = args.config.unwrap_or_default();
+            // `vhostd --config FILE`.
+            let path = args.config.clone().unwrap_or_default();
             let cfg = match config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
@@ -41,15 +50,40 @@ fn main() -> ExitCode {
                 (None, Some(m)) => cli::parse_metrics_addr(m).ok(),
                 (None, None) => None,
             };
+            // The command line's pool options replace the file's table.
+            let pool = args.pool().or(cfg.pool);
+            if let Some(d) = cfg.devices.iter().find(|d| pool.is_some() && d.dataplane.check_pooled().is_err()) {
+                let e = d.dataplane.check_pooled().err().unwrap_or_default();
+                eprintln!("vhostd: {}: device `{}` (with --workers/--worker-*): {e}", path.display(), d.name);
+                return ExitCode::from(2);
+            }
             let globals = server::Globals {
                 control: args.control.or(cfg.control),
                 metrics,
                 seccomp: args.seccomp.or(cfg.seccomp).unwrap_or_default(),
+                pool,
             };
             (cfg.devices, globals, args.log_format.or(cfg.log_format).unwrap_or(LogFormat::Text))
         }
         Some(Command::Net(a)) => single(DeviceArgs::Net(a), cli_globals, args.log_format),
         Some(Command::Blk(a)) => single(DeviceArgs::Blk(a), cli_globals, args.log_format),
+        Some(Command::Ctl(c)) => {
+            // Checked here first, so a mistake is shown with the options' help.
+            if let cli::CtlCommand::Add(a) = &c.command {
+                if let Err(e) = cli::ctl_add_spec(&a.words) {
+                    eprintln!("{e}");
+                    let help = a.words.iter().any(|w| w == "--help" || w == "-h");
+                    return if help { ExitCode::SUCCESS } else { ExitCode::from(2) };
+                }
+            }
+            return match control::run_ctl(&c, args.control) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("vhostd ctl: {e}");
+                    ExitCode::from(1)
+                }
+            };
+        }
         Some(Command::Stats(s)) => {
             return match control::run_stats(&s, args.control) {
                 Ok(()) => ExitCode::SUCCESS,
@@ -88,5 +122,12 @@ fn single(
     format: Option<LogFormat>,
 ) -> (Vec<DeviceSpec>, server::Globals, LogFormat) {
     let name = format!("{}0", args.kind());
-    (vec![args.to_spec(name)], globals, format.unwrap_or(LogFormat::Text))
+    let spec = args.to_spec(name);
+    if globals.pool.is_some() {
+        if let Err(e) = spec.dataplane.check_pooled() {
+            eprintln!("vhostd {}: {e}", args.kind());
+            std::process::exit(2);
+        }
+    }
+    (vec![spec], globals, format.unwrap_or(LogFormat::Text))
 }

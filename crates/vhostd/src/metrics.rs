@@ -4,10 +4,10 @@
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::registry::{DeviceEntry, Registry};
+use crate::registry::Registry;
+use crate::server::Daemon;
 
 /// Listens on `addr` and serves scrapes on a thread of its own.
 pub fn serve(addr: SocketAddr, entries: Registry) -> io::Result<()> {
@@ -28,7 +28,7 @@ pub fn serve(addr: SocketAddr, entries: Registry) -> io::Result<()> {
     Ok(())
 }
 
-fn answer(conn: TcpStream, entries: &[Arc<DeviceEntry>]) -> io::Result<()> {
+fn answer(conn: TcpStream, entries: &Daemon) -> io::Result<()> {
     conn.set_read_timeout(Some(Duration::from_secs(2)))?;
     conn.set_write_timeout(Some(Duration::from_secs(5)))?;
     let mut reader = BufReader::new(conn.try_clone()?.take(8192));

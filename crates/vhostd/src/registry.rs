@@ -4,7 +4,8 @@
 
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -18,6 +19,8 @@ pub struct DeviceEntry {
     pub kind: &'static str,
     /// The socket path, or `fd N`.
     pub endpoint: String,
+    /// The socket path, if it has one (no two devices share one).
+    pub socket_path: Option<std::path::PathBuf>,
     /// The device and its workers.
     pub served: Arc<Served>,
     /// A frontend is connected.
@@ -32,6 +35,12 @@ pub struct DeviceEntry {
     conn: Mutex<Option<UnixStream>>,
     /// Ends the device's thread.
     pub stop: EventFd,
+    /// The thread serving its endpoint.
+    pub thread: Mutex<Option<JoinHandle<()>>>,
+    /// What must live as long as the device (an XDP program's attachment).
+    pub hold: Mutex<crate::build::Hold>,
+    /// Its endpoint's thread ended by itself (failed, or --fd closed).
+    pub ended: AtomicBool,
 }
 
 impl DeviceEntry {
@@ -46,12 +55,16 @@ impl DeviceEntry {
             name,
             kind,
             endpoint,
+            socket_path: None,
             served,
             connected: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             failed: Mutex::new(None),
             conn: Mutex::new(None),
             stop: EventFd::new(EFD_NONBLOCK)?,
+            thread: Mutex::new(None),
+            hold: Mutex::new(None),
+            ended: AtomicBool::new(false),
         })
     }
 
@@ -93,5 +106,37 @@ impl DeviceEntry {
     }
 }
 
-/// Every device of the daemon, in configuration order.
-pub type Registry = Arc<Vec<Arc<DeviceEntry>>>;
+/// Every device of the daemon, in the order they were added.
+#[derive(Default)]
+pub struct Devices {
+    list: RwLock<Vec<Arc<DeviceEntry>>>,
+}
+
+impl Devices {
+    /// The devices now.
+    pub fn list(&self) -> Vec<Arc<DeviceEntry>> {
+        self.list.read().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// The device named `name`.
+    pub fn find(&self, name: &str) -> Option<Arc<DeviceEntry>> {
+        self.list.read().ok()?.iter().find(|e| e.name == name).cloned()
+    }
+
+    /// Adds a device (its name is checked unique by the caller).
+    pub fn push(&self, e: Arc<DeviceEntry>) {
+        if let Ok(mut l) = self.list.write() {
+            l.push(e);
+        }
+    }
+
+    /// Takes the device named `name` out of the list.
+    pub fn take(&self, name: &str) -> Option<Arc<DeviceEntry>> {
+        let mut l = self.list.write().ok()?;
+        let i = l.iter().position(|e| e.name == name)?;
+        Some(l.remove(i))
+    }
+}
+
+/// The daemon's devices, as the control socket and metrics see them.
+pub type Registry = Arc<crate::server::Daemon>;

@@ -110,6 +110,54 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_prctl,
 ];
 
+/// What building a device needs besides (a daemon with a control socket
+/// adds devices at runtime, `vhostd ctl add`): the socket file, the image
+/// file and its io_uring, a TAP, AF_XDP sockets and the XDP program. With
+/// these, open and openat are allowed too.
+const BUILD: &[libc::c_long] = &[
+    // A new device's thread (and its own workers without a pool).
+    libc::SYS_clone3,
+    libc::SYS_clone,
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_chmod,
+    libc::SYS_fchmod,
+    libc::SYS_fchmodat,
+    libc::SYS_mkdir,
+    libc::SYS_mkdirat,
+    libc::SYS_io_uring_setup,
+    libc::SYS_io_uring_register,
+    libc::SYS_bpf,
+    libc::SYS_fallocate,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_getuid,
+    libc::SYS_geteuid,
+    libc::SYS_getrlimit,
+    libc::SYS_prlimit64,
+    libc::SYS_uname,
+];
+
+/// ioctl requests building a device makes: a TAP's set-up, an interface's
+/// index, flags, MTU and queue count, a block device's size.
+const BUILD_IOCTLS: &[u64] = &[
+    libc::TUNSETIFF,
+    libc::TUNGETIFF,
+    libc::TUNGETFEATURES,
+    libc::TUNSETVNETHDRSZ,
+    0x54e3, // TUNGETDEVNETNS
+    libc::SIOCGIFINDEX,
+    libc::SIOCSIFFLAGS,
+    libc::SIOCGIFMTU,
+    libc::SIOCGIFHWADDR,
+    libc::SIOCETHTOOL,
+    0x8008_1272, // BLKGETSIZE64
+    0x1268,      // BLKSSZGET
+];
+
+/// Socket domains building a device needs: interface ioctls, AF_XDP.
+const BUILD_SOCKET_DOMAINS: &[u64] = &[libc::AF_INET as u64, libc::AF_XDP as u64, libc::AF_NETLINK as u64];
+
 /// ioctl requests allowed: the TAP's runtime controls and the interface
 /// flags a link-state query reads; FIONBIO/FIOCLEX from std.
 const IOCTLS: &[u64] = &[
@@ -124,11 +172,20 @@ const IOCTLS: &[u64] = &[
 /// Socket domains `socket` may create: Unix only (--client reconnects).
 const SOCKET_DOMAINS: &[u64] = &[libc::AF_UNIX as u64];
 
-fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
+/// The filter; `build`: also what building a device needs (BUILD).
+fn filter(mode: SeccompMode, build: bool) -> io::Result<BpfProgram> {
     let bad = |e: seccompiler::BackendError| io::Error::other(format!("seccomp filter: {e}"));
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED.iter().map(|&n| (n, vec![])).collect();
+    let extra: &[libc::c_long] = if build { BUILD } else { &[] };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED.iter().chain(extra).map(|&n| (n, vec![])).collect();
+    if build {
+        rules.insert(libc::SYS_open, vec![]);
+        rules.insert(libc::SYS_openat, vec![]);
+    }
+    let extra_ioctls: &[u64] = if build { BUILD_IOCTLS } else { &[] };
+    let extra_domains: &[u64] = if build { BUILD_SOCKET_DOMAINS } else { &[] };
     let ioctl: Vec<SeccompRule> = IOCTLS
         .iter()
+        .chain(extra_ioctls)
         .map(|&req| {
             SeccompRule::new(vec![
                 SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, req).map_err(bad)?
@@ -139,6 +196,7 @@ fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
     rules.insert(libc::SYS_ioctl, ioctl);
     let socket: Vec<SeccompRule> = SOCKET_DOMAINS
         .iter()
+        .chain(extra_domains)
         .map(|&d| {
             SeccompRule::new(vec![SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, d).map_err(bad)?])
                 .map_err(bad)
@@ -154,6 +212,9 @@ fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
         .map_err(|e| io::Error::other(format!("seccomp: unsupported architecture: {e:?}")))?;
     let f = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, arch).map_err(bad)?;
     let prog: BpfProgram = f.try_into().map_err(|e: seccompiler::BackendError| bad(e))?;
+    if build {
+        return Ok(prog);
+    }
     // open and openat fail with EACCES instead of killing: libraries may
     // try to read a file (glibc reads /proc/sys/vm/overcommit_memory when
     // it first trims a thread's heap) and cope with not being allowed.
@@ -168,15 +229,21 @@ fn filter(mode: SeccompMode) -> io::Result<BpfProgram> {
     Ok(out)
 }
 
-/// Installs the filter on every thread of the process (`mode` Off: none).
-pub fn install(mode: SeccompMode) -> io::Result<()> {
+/// Installs the filter on every thread of the process (`mode` Off: none);
+/// `build`: devices are added at runtime, so what building one needs stays
+/// allowed (BUILD).
+pub fn install(mode: SeccompMode, build: bool) -> io::Result<()> {
     if mode == SeccompMode::Off {
         tracing::warn!("--seccomp off: no system call filter");
         return Ok(());
     }
-    let prog = filter(mode)?;
+    let prog = filter(mode, build)?;
     apply(mode, &prog)?;
-    tracing::info!("seccomp filter installed ({mode:?}): {} system calls allowed", ALLOWED.len() + 2);
+    let n = ALLOWED.len() + 2 + if build { BUILD.len() } else { 0 };
+    tracing::info!(
+        "seccomp filter installed ({mode:?}): {n} system calls allowed{}",
+        if build { ", with what adding a device needs (--control)" } else { "" }
+    );
     Ok(())
 }
 
@@ -243,15 +310,16 @@ mod tests {
 
     #[test]
     fn filter_compiles() {
-        assert!(filter(SeccompMode::Enforce).unwrap().len() > ALLOWED.len());
-        assert!(filter(SeccompMode::Trap).is_ok());
+        assert!(filter(SeccompMode::Enforce, false).unwrap().len() > ALLOWED.len());
+        assert!(filter(SeccompMode::Trap, false).is_ok());
+        assert!(filter(SeccompMode::Enforce, true).unwrap().len() > ALLOWED.len() + BUILD.len());
     }
 
     /// Forks a child that installs the filter, opens a file (refused, not
     /// fatal) and calls getppid (not allowed); returns its
     /// wait status and what it wrote to stderr.
     fn child_making_forbidden_calls(mode: SeccompMode) -> (libc::c_int, String) {
-        let prog = filter(mode).unwrap();
+        let prog = filter(mode, false).unwrap();
         let mut p = [0; 2];
         // SAFETY: pipe(2) into a local array.
         assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);

@@ -1,75 +1,110 @@
 //! The main loop: builds every device, serves each on a thread of its own
 //! (one frontend at a time, surviving disconnects), and waits for signals;
-//! SIGINT/SIGTERM stop everything cleanly and print the counters.
+//! SIGINT/SIGTERM stop everything cleanly and print the counters. The
+//! `Daemon` holds the devices and the shared worker pool, and adds and
+//! removes devices while it runs (`vhostd ctl`, through control.rs).
 
 use std::io::{self, Write};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::build::{self, Hold};
+use crate::build;
 use crate::endpoint::{wait_readable, wait_readable_timeout, Endpoint};
-use crate::registry::{DeviceEntry, Registry};
+use crate::pool::Pool;
+use crate::registry::{DeviceEntry, Devices};
 use crate::session::Served;
 use crate::signals::{SignalAsk, Signals};
-use crate::spec::DeviceSpec;
+use crate::spec::{DeviceSpec, PoolSpec};
+use crate::worker::WorkerReport;
 
 /// Global options of a run.
 #[derive(Default)]
 pub struct Globals {
-    /// Control socket for `vhostd stats`.
+    /// Control socket for `vhostd stats` and `vhostd ctl`.
     pub control: Option<PathBuf>,
     /// Prometheus endpoint.
     pub metrics: Option<std::net::SocketAddr>,
     /// The system call filter.
     pub seccomp: crate::sandbox::SeccompMode,
+    /// The daemon-wide worker pool, if one is asked for.
+    pub pool: Option<PoolSpec>,
 }
 
-/// Serves `devices` until SIGINT/SIGTERM (or, for a device on --fd, until
-/// its connection closes), then stops the workers and prints the counters.
-/// Every device is set up before any is served: one that cannot be set up
-/// stops the start, naming it, with nothing left behind. Once running, a
-/// device that fails is logged and marked; the others go on.
-pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
-    let signals = Signals::new()?;
-    // A frontend truncating guest memory under us costs that memory, not the process.
-    crate::memory::install_sigbus_handler()?;
-    let named = devices.len() > 1;
-    let mut built: Vec<(Arc<DeviceEntry>, Endpoint, Hold)> = Vec::new();
-    for d in &devices {
-        let _span = tracing::info_span!("dev", device = %d.name).entered();
-        let (served, endpoint, hold) = build::build(d).map_err(|e| {
-            if named {
-                io::Error::new(e.kind(), format!("device `{}`: {e}", d.name))
-            } else {
-                e
+/// A running daemon: its devices, its shared worker pool if it has one,
+/// and how devices are added and removed while it runs (`vhostd ctl`).
+pub struct Daemon {
+    /// The devices.
+    pub devices: Devices,
+    /// The shared pool (None: each device runs on workers of its own).
+    pub pool: Option<Arc<Pool>>,
+    /// Written (1) by each device thread that ends.
+    done: Arc<EventFd>,
+    /// Adds and removes go one at a time.
+    manage: Mutex<()>,
+}
+
+impl Daemon {
+    /// A daemon with no devices yet.
+    pub fn new(pool: Option<&PoolSpec>) -> io::Result<Daemon> {
+        let pool = match pool {
+            Some(p) => Some(Pool::new("pool", p.workers, build::mode(p.wait), p.cpus.as_deref(), true)?),
+            None => None,
+        };
+        Ok(Daemon {
+            devices: Devices::default(),
+            pool,
+            done: Arc::new(EventFd::new(EFD_NONBLOCK)?),
+            manage: Mutex::new(()),
+        })
+    }
+
+    /// Checks `spec` against the devices already there and the pool.
+    fn check(&self, spec: &DeviceSpec) -> Result<(), String> {
+        if self.devices.find(&spec.name).is_some() {
+            return Err(format!("--name {}: a device of that name exists", spec.name));
+        }
+        if let Some(p) = spec.endpoint.path() {
+            if let Some(e) = self.devices.list().into_iter().find(|e| e.socket_path.as_deref() == Some(p)) {
+                return Err(format!("--socket-path {}: device `{}` serves it", p.display(), e.name));
             }
-        })?;
-        let entry = DeviceEntry::new(d.name.clone(), d.device.name(), d.endpoint.describe(), served)?;
-        built.push((Arc::new(entry), endpoint, hold));
+        }
+        if self.pool.is_some() {
+            spec.dataplane.check_pooled()?;
+        }
+        Ok(())
     }
-    let entries: Registry = Arc::new(built.iter().map(|(e, _, _)| e.clone()).collect());
-    let _control = match &globals.control {
-        Some(p) => Some(crate::control::serve(p, entries.clone())?),
-        None => None,
-    };
-    if let Some(addr) = globals.metrics {
-        crate::metrics::serve(addr, entries.clone())?;
+
+    /// Builds a device and lists it, not yet serving.
+    fn build(&self, spec: &DeviceSpec) -> io::Result<(Arc<DeviceEntry>, Endpoint)> {
+        self.check(spec).map_err(io::Error::other)?;
+        let _span = tracing::info_span!("dev", device = %spec.name).entered();
+        let (served, endpoint, hold) = build::build(spec, self.pool.as_ref())?;
+        let mut entry =
+            DeviceEntry::new(spec.name.clone(), spec.device.name(), spec.endpoint.describe(), served.clone())
+                .inspect_err(|_| {
+                    // Nothing half-built stays on the workers.
+                    served.retire();
+                })?;
+        entry.socket_path = spec.endpoint.path().map(|p| p.to_path_buf());
+        *entry.hold.get_mut().unwrap_or_else(|e| e.into_inner()) = hold;
+        let entry = Arc::new(entry);
+        self.devices.push(entry.clone());
+        Ok((entry, endpoint))
     }
-    let done = Arc::new(EventFd::new(EFD_NONBLOCK)?);
-    let mut threads = Vec::new();
-    let mut holds = Vec::new();
-    for (entry, endpoint, hold) in built {
+
+    /// Serves an entry's endpoint on a thread of its own.
+    fn start(&self, entry: &Arc<DeviceEntry>, endpoint: Endpoint) -> io::Result<()> {
         match &endpoint {
             Endpoint::Listen(_, f) => eprintln!("vhostd: listening on {}", f.0.display()),
             Endpoint::Client(p) => eprintln!("vhostd: connecting to {}", p.display()),
             Endpoint::Conn(_) => {}
         }
-        holds.push(hold);
-        let done = done.clone();
+        let done = self.done.clone();
         let e = entry.clone();
         let t = std::thread::Builder::new().name(format!("vhostd-{}", entry.name)).spawn(move || {
             let _span = tracing::info_span!("dev", device = %e.name).entered();
@@ -83,39 +118,158 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
                 tracing::error!("device stopped serving: {f}");
                 e.fail(f);
             }
+            e.ended.store(true, Ordering::Release);
             let _ = done.write(1);
         })?;
-        threads.push(t);
+        *entry.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        Ok(())
     }
-    // Set up: from here on only the system calls serving needs.
-    crate::sandbox::install(globals.seccomp)?;
-    crate::notify::ready(entries.len());
-    let mut ended = 0u64;
+
+    /// Adds a device while the daemon runs: built, listed and serving, or
+    /// nothing of it left (`vhostd ctl add`).
+    pub fn add(&self, spec: &DeviceSpec) -> io::Result<Arc<DeviceEntry>> {
+        let _one = self.manage.lock().unwrap_or_else(|e| e.into_inner());
+        let (entry, endpoint) = self.build(spec)?;
+        if let Err(e) = self.start(&entry, endpoint) {
+            self.unlist(&entry.name);
+            return Err(e);
+        }
+        tracing::info!(device = %spec.name, "device added");
+        Ok(entry)
+    }
+
+    /// Removes a device while the daemon runs: its frontend sees the
+    /// socket close, its groups leave their workers, its socket file goes
+    /// (`vhostd ctl remove`). Returns its final counters.
+    pub fn remove(&self, name: &str) -> Result<Vec<WorkerReport>, String> {
+        let _one = self.manage.lock().unwrap_or_else(|e| e.into_inner());
+        if self.devices.find(name).is_none() {
+            return Err(format!("NAME {name}: no such device"));
+        }
+        let reports = self.unlist(name);
+        tracing::info!(device = %name, "device removed");
+        Ok(reports)
+    }
+
+    /// Stops a device's thread, takes its groups off the workers and drops
+    /// it (its socket file goes with its endpoint, on that thread).
+    fn unlist(&self, name: &str) -> Vec<WorkerReport> {
+        let Some(e) = self.devices.take(name) else { return Vec::new() };
+        e.stop();
+        if let Some(t) = e.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+        let reports = e.served.retire();
+        drop(e.hold.lock().unwrap_or_else(|e| e.into_inner()).take());
+        reports
+    }
+
+    /// Every device's counters, each pool asked once (`last`: the final
+    /// ones, the pools stopped).
+    pub fn reports(&self, entries: &[Arc<DeviceEntry>], last: bool) -> Vec<Vec<WorkerReport>> {
+        let mut pools: Vec<(Arc<Pool>, Vec<WorkerReport>)> = Vec::new();
+        entries
+            .iter()
+            .map(|e| {
+                let pool = &e.served.pool;
+                let i = match pools.iter().position(|(p, _)| Arc::ptr_eq(p, pool)) {
+                    Some(i) => i,
+                    None => {
+                        pools.push((pool.clone(), if last { pool.shutdown() } else { pool.reports() }));
+                        pools.len() - 1
+                    }
+                };
+                crate::pool::of_device(&pools[i].1, e.served.id)
+            })
+            .collect()
+    }
+}
+
+/// Serves `devices` until SIGINT/SIGTERM (or, without a control socket,
+/// until every device ended by itself: failed, or its --fd closed), then
+/// stops the workers and prints the counters. Every device is set up
+/// before any is served: one that cannot be set up stops the start, naming
+/// it, with nothing left behind. Once running, a device that fails is
+/// logged and marked; the others go on. With a control socket, devices
+/// come and go at runtime (`vhostd ctl`), and the daemon may start with none.
+pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
+    let signals = Signals::new()?;
+    // A frontend truncating guest memory under us costs that memory, not the process.
+    crate::memory::install_sigbus_handler()?;
+    let named = devices.len() > 1;
+    let daemon = Arc::new(Daemon::new(globals.pool.as_ref())?);
+    if let (Some(p), Some(spec)) = (&daemon.pool, &globals.pool) {
+        let cpus: Vec<String> = p.cpus.iter().map(|c| c.map_or("any".into(), |c| c.to_string())).collect();
+        let mode = crate::pool::mode_name(p.mode);
+        tracing::info!("worker pool: {} worker(s), {mode}, CPUs {}", p.workers.len(), cpus.join(","));
+        if p.workers.len() > 1 && !spec.rebalance.is_zero() {
+            crate::balance::spawn(&daemon, spec.rebalance)?;
+        }
+    }
+    let mut endpoints = Vec::new();
+    for d in &devices {
+        match daemon.build(d) {
+            Ok(built) => endpoints.push(built),
+            Err(e) => {
+                drop(endpoints);
+                for d in daemon.devices.list() {
+                    daemon.unlist(&d.name);
+                }
+                if let Some(p) = &daemon.pool {
+                    p.shutdown();
+                }
+                return Err(if named { io::Error::new(e.kind(), format!("device `{}`: {e}", d.name)) } else { e });
+            }
+        }
+    }
+    let _control = match &globals.control {
+        Some(p) => Some(crate::control::serve(p, daemon.clone())?),
+        None => None,
+    };
+    if let Some(addr) = globals.metrics {
+        crate::metrics::serve(addr, daemon.clone())?;
+    }
+    for (entry, endpoint) in endpoints {
+        daemon.start(&entry, endpoint)?;
+    }
+    let managed = globals.control.is_some();
+    // Set up: from here on only the system calls serving needs (and, with
+    // a control socket, those building a device needs).
+    crate::sandbox::install(globals.seccomp, managed)?;
+    crate::notify::ready(daemon.devices.list().len());
     loop {
-        if wait_readable(&[signals.as_raw_fd(), done.as_raw_fd()])? == 0 {
+        if wait_readable(&[signals.as_raw_fd(), daemon.done.as_raw_fd()])? == 0 {
             match signals.take() {
                 SignalAsk::Stop => break,
-                SignalAsk::PrintStats => print_stats(&entries, false),
+                SignalAsk::PrintStats => print_stats(&daemon, false),
                 SignalAsk::Nothing => {}
             }
             continue;
         }
-        // Each device thread adds 1 as it ends.
-        ended += done.read().unwrap_or(0);
-        if ended >= threads.len() as u64 {
+        let _ = daemon.done.read();
+        let list = daemon.devices.list();
+        if !managed && list.iter().all(|e| e.ended.load(Ordering::Acquire)) {
             break;
         }
     }
     crate::notify::stopping();
     tracing::info!("stopping");
-    for e in entries.iter() {
+    let entries = daemon.devices.list();
+    for e in &entries {
         e.stop();
     }
-    for t in threads {
-        let _ = t.join();
+    for e in &entries {
+        if let Some(t) = e.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
     }
-    print_stats(&entries, true);
-    drop(holds);
+    print_stats(&daemon, true);
+    if let Some(p) = &daemon.pool {
+        p.shutdown();
+    }
+    for e in &entries {
+        drop(e.hold.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
     let failed: Vec<String> = entries.iter().filter_map(|e| e.failure().map(|f| format!("{}: {f}", e.name))).collect();
     if !failed.is_empty() && entries.len() == failed.len() {
         return Err(io::Error::other(failed.join("; ")));
@@ -181,24 +335,20 @@ fn serve_tracked(e: &DeviceEntry, conn: UnixStream, stop: RawFd) -> io::Result<b
 
 /// Every device's counters on stdout. `last`: stop the workers first (at
 /// exit) and print their final counters.
-fn print_stats(entries: &[Arc<DeviceEntry>], last: bool) {
-    let devices: Vec<_> = entries
-        .iter()
-        .map(|e| {
-            let reports =
-                if last { build::shutdown(&e.served) } else { e.served.workers.iter().map(|w| w.report()).collect() };
-            crate::snapshot::device(e, &reports)
-        })
-        .collect();
+fn print_stats(daemon: &Daemon, last: bool) {
+    let entries = daemon.devices.list();
+    let reports = daemon.reports(&entries, last);
+    let devices: Vec<_> = entries.iter().zip(&reports).map(|(e, r)| crate::snapshot::device(e, r)).collect();
     let mut out = io::stdout().lock();
     let _ = out.write_all(crate::snapshot::key_value(&devices).as_bytes());
     let _ = out.flush();
 }
 
-/// Builds the device `spec` describes, as `run` does (for fuzz targets and
-/// tests that drive a session in-process).
+/// Builds the device `spec` describes on workers of its own, as `run`
+/// does without a pool (for fuzz targets and tests that drive a session
+/// in-process).
 pub fn build(spec: &DeviceSpec) -> io::Result<(Arc<Served>, Endpoint)> {
-    build::build(spec).map(|(s, e, _hold)| (s, e))
+    build::build(spec, None).map(|(s, e, _hold)| (s, e))
 }
 
 /// Serves one connection to its end, as a device thread does (for fuzz
@@ -210,5 +360,5 @@ pub fn serve_connection(conn: UnixStream, served: &Arc<Served>) -> io::Result<()
 
 /// Stops a device's workers (after `build`).
 pub fn shutdown(served: &Served) {
-    build::shutdown(served);
+    served.retire();
 }

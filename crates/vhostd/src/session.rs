@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use vhost::vhost_user::message::*;
 use vhost::vhost_user::{Backend, GpuBackend, VhostUserBackendReqHandlerMut};
@@ -20,7 +20,8 @@ use virtq::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::memory::{FrontendAddrs, FrontendRegion};
-use crate::worker::{RunState, Start, WorkerHandle};
+use crate::pool::{Place, Pool};
+use crate::worker::{GroupKey, Returned, RunState, Start, WorkerReport};
 
 /// VHOST_USER_F_PROTOCOL_FEATURES
 const PROTOCOL_FEATURES: u64 = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
@@ -35,15 +36,127 @@ const MAX_LOG_BYTES: u64 = 1 << 30;
 pub struct Served {
     /// The device.
     pub device: Arc<dyn Device>,
-    /// The workers running its groups.
-    pub workers: Vec<WorkerHandle>,
-    /// Group `g` runs on `workers[placement[g]]`.
-    pub placement: Vec<usize>,
-    /// State shared with the workers (NEEDS_RESET, stop).
+    /// The workers its groups run on (shared, or its own).
+    pub pool: Arc<Pool>,
+    /// Its number on the pool's workers.
+    pub id: u64,
+    /// Its queues (its first groups; groups past them: the net control queue).
+    pub queues: usize,
+    /// Group `g` runs on `pool.workers[places[g].worker]`. Held while a
+    /// ring is attached or detached, so a group never moves under it.
+    places: Mutex<Vec<Place>>,
+    /// State shared with the workers (NEEDS_RESET).
     pub run: Arc<RunState>,
 }
 
 impl Served {
+    /// Places a device's `groups` on `pool` (the first `queues` are its
+    /// queues: see `Pool::place_new`) and starts running them.
+    pub fn new(
+        name: &str,
+        device: Arc<dyn Device>,
+        groups: Vec<Box<dyn vhostd_device::QueueGroup>>,
+        queues: usize,
+        pool: Arc<Pool>,
+    ) -> Served {
+        let id = Pool::new_device();
+        let run = Arc::new(RunState { name: name.to_string(), ..RunState::default() });
+        let places = pool.place_new(groups.len(), queues);
+        for (g, (group, p)) in groups.into_iter().zip(&places).enumerate() {
+            pool.workers[p.worker].add(GroupKey { device: id, group: g }, group, run.clone());
+        }
+        Served { device, pool, id, queues, places: Mutex::new(places), run }
+    }
+
+    fn key(&self, group: usize) -> GroupKey {
+        GroupKey { device: self.id, group }
+    }
+
+    fn lock_places(&self) -> std::sync::MutexGuard<'_, Vec<Place>> {
+        self.places.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where each group runs now.
+    pub fn places(&self) -> Vec<Place> {
+        self.lock_places().clone()
+    }
+
+    /// Starts ring `slot` of group `group` on the group's worker.
+    fn attach(&self, group: usize, slot: usize, start: Start) {
+        let places = self.lock_places();
+        if let Some(p) = places.get(group) {
+            self.pool.workers[p.worker].attach(self.key(group), slot, start);
+        }
+    }
+
+    /// Takes ring `slot` of group `group` back from its worker.
+    fn detach(&self, group: usize, slot: usize) -> Option<Returned> {
+        let places = self.lock_places();
+        let p = places.get(group)?;
+        self.pool.workers[p.worker].detach(self.key(group), slot)
+    }
+
+    /// Moves group `group` to worker `to` with its rings running (pinned
+    /// there if `pin`; a pinned group moves only by another pin). Errors
+    /// name what is out of range.
+    pub fn move_group(&self, group: usize, to: usize, pin: bool) -> Result<(), String> {
+        let mut places = self.lock_places();
+        let n = places.len();
+        let Some(p) = places.get_mut(group) else {
+            return Err(format!("queue {group}: expected 0 to {}", n.saturating_sub(1)));
+        };
+        if to >= self.pool.workers.len() {
+            return Err(format!("worker {to}: expected 0 to {}", self.pool.workers.len().saturating_sub(1)));
+        }
+        if p.pinned && !pin {
+            return Ok(());
+        }
+        if p.worker != to {
+            let key = self.key(group);
+            let Some(unit) = self.pool.workers[p.worker].take(key) else {
+                return Err(format!("queue {group}: not found on worker {}", p.worker));
+            };
+            self.pool.workers[to].put(unit);
+            self.pool.moved(p.worker, Some(to));
+            tracing::info!(device = %self.run.name, group, from = p.worker, to, pin, "queue moved");
+            p.worker = to;
+        }
+        p.pinned |= pin;
+        Ok(())
+    }
+
+    /// Lets the balancer move group `group` again.
+    pub fn unpin(&self, group: usize) -> Result<(), String> {
+        let mut places = self.lock_places();
+        let n = places.len();
+        let p = places.get_mut(group).ok_or_else(|| format!("queue {group}: expected 0 to {}", n.saturating_sub(1)))?;
+        p.pinned = false;
+        Ok(())
+    }
+
+    /// This device's part of its pool's counters.
+    pub fn reports(&self) -> Vec<WorkerReport> {
+        crate::pool::of_device(&self.pool.reports(), self.id)
+    }
+
+    /// Takes every group off its worker (the device is going away; its
+    /// rings were stopped with its last session) and, for a device's own
+    /// pool, stops the workers. Returns the final counters.
+    pub fn retire(&self) -> Vec<WorkerReport> {
+        let mut reports = self.reports();
+        let places = self.lock_places();
+        for (g, p) in places.iter().enumerate() {
+            drop(self.pool.workers[p.worker].take(self.key(g)));
+            self.pool.moved(p.worker, None);
+        }
+        if !self.pool.shared {
+            let last = crate::pool::of_device(&self.pool.shutdown(), self.id);
+            if !last.is_empty() {
+                reports = last;
+            }
+        }
+        reports
+    }
     /// Features offered to the frontend: the device's, vhost-user's
     /// protocol features bit, and dirty logging.
     pub fn features(&self) -> u64 {
@@ -66,11 +179,6 @@ impl Served {
         } else {
             f
         }
-    }
-
-    /// The worker running group `group`.
-    fn worker(&self, group: usize) -> Option<&WorkerHandle> {
-        self.placement.get(group).and_then(|&w| self.workers.get(w))
     }
 }
 
@@ -193,8 +301,7 @@ impl Session {
     /// Takes ring `i` off its worker (if running), keeping it parked.
     fn stop_ring(&mut self, i: usize) {
         let Some(place) = self.vrings[i].running.take() else { return };
-        let Some(w) = self.dev.worker(place.group) else { return };
-        if let Some((q, kick, call)) = w.detach(place.group, place.slot) {
+        if let Some((q, kick, call)) = self.dev.detach(place.group, place.slot) {
             let v = &mut self.vrings[i];
             v.base = q.vring_base();
             v.parked = Some(q);
@@ -210,7 +317,6 @@ impl Session {
             return Ok(());
         }
         let Some(place) = self.locate(i) else { return Ok(()) };
-        let Some(w) = self.dev.worker(place.group) else { return Ok(()) };
         let mut queue = match self.vrings[i].parked.take() {
             Some(q) => q,
             None => {
@@ -260,7 +366,7 @@ impl Session {
             (Some((map, qsize)), Queue::Split(_)) => InflightLog::new(map.clone(), i, *qsize),
             _ => None,
         };
-        w.attach(place.group, place.slot, Start { queue, kick, call, err, features: self.features, inflight });
+        self.dev.attach(place.group, place.slot, Start { queue, kick, call, err, features: self.features, inflight });
         self.vrings[i].running = Some(place);
         Ok(())
     }
@@ -294,9 +400,7 @@ impl Session {
         for i in 0..self.vrings.len() {
             for features in [self.features, 0] {
                 if let Some(p) = self.dev.device.place(i as u16, features) {
-                    if let Some(w) = self.dev.worker(p.group) {
-                        let _ = w.detach(p.group, p.slot);
-                    }
+                    let _ = self.dev.detach(p.group, p.slot);
                 }
             }
         }

@@ -251,15 +251,11 @@ pub fn device(e: &DeviceEntry, reports: &[WorkerReport]) -> DeviceSnapshot {
     }
 }
 
-/// The counters of every device, now.
-pub fn snapshot(entries: &[std::sync::Arc<DeviceEntry>]) -> Snapshot {
-    let devices = entries
-        .iter()
-        .map(|e| {
-            let reports: Vec<WorkerReport> = e.served.workers.iter().map(|w| w.report()).collect();
-            device(e, &reports)
-        })
-        .collect();
+/// The counters of every device of `daemon`, now.
+pub fn snapshot(daemon: &crate::server::Daemon) -> Snapshot {
+    let entries = daemon.devices.list();
+    let reports = daemon.reports(&entries, false);
+    let devices = entries.iter().zip(&reports).map(|(e, r)| device(e, r)).collect();
     let (t0, hz) = *started();
     Snapshot { version: 1, pid: std::process::id(), uptime_s: t0.elapsed().as_secs_f64(), tsc_hz: hz, devices }
 }

@@ -51,14 +51,50 @@ pub enum WaitSpec {
 /// A device's queues and the threads that run them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DataplaneSpec {
-    /// Queue pairs (net) or request queues (blk): one worker each.
+    /// Queue pairs (net) or request queues (blk): one worker each unless
+    /// the daemon has a shared pool.
     pub queues: u16,
     /// The largest ring a frontend may set up.
     pub queue_size: u16,
-    /// How workers wait.
+    /// How its own workers wait.
     pub wait: WaitSpec,
-    /// CPUs to pin workers to (worker i gets the i-th, round robin).
+    /// The option that set `wait` (None: the default), for errors.
+    pub wait_given: Option<&'static str>,
+    /// CPUs to pin its own workers to (worker i gets the i-th, round robin).
     pub cpus: Option<Vec<usize>>,
+}
+
+impl DataplaneSpec {
+    /// A device on the daemon's shared pool runs in the pool's mode on the
+    /// pool's CPUs: its own mode or CPUs would be silently ignored, so
+    /// they are refused, naming the option.
+    pub fn check_pooled(&self) -> Result<(), String> {
+        if let Some(opt) = self.wait_given {
+            return Err(format!(
+                "--{opt}: devices on the worker pool wait as the pool does: set --worker-mode (or [dataplane] mode)"
+            ));
+        }
+        if self.cpus.is_some() {
+            return Err("--cpus: devices on the worker pool run on its workers' CPUs: set --worker-cpus \
+                        (or [dataplane] cpus), and `vhostd ctl pin` a queue to a worker"
+                .into());
+        }
+        Ok(())
+    }
+}
+
+/// The daemon-wide pool of dataplane workers (`--workers`,
+/// `--worker-cpus`, `--worker-mode`, or a `[dataplane]` table).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolSpec {
+    /// How many workers.
+    pub workers: usize,
+    /// CPUs to pin them to (worker i gets the i-th, round robin).
+    pub cpus: Option<Vec<usize>>,
+    /// How they wait.
+    pub wait: WaitSpec,
+    /// Least time between two moves of the balancer (zero: no balancer).
+    pub rebalance: Duration,
 }
 
 /// The device kinds and what each needs.

@@ -1,7 +1,9 @@
-//! Dataplane workers. A worker runs queue groups (any device's: it only
-//! knows the `QueueGroup` trait), each owning its rings outright (no lock in
-//! the hot path). The control thread hands rings over and takes them back
-//! through a command channel; a wake eventfd interrupts the worker's sleep.
+//! Dataplane workers. A worker runs queue groups of any number of devices
+//! (it only knows the `QueueGroup` trait), each group owning its rings
+//! outright (no lock in the hot path). Control threads add and take away
+//! groups (a device added, removed or moved to another worker) and hand
+//! rings over and take them back through a command channel; a wake eventfd
+//! interrupts the worker's sleep.
 //! What the worker itself decides: how it waits (modes, backoff, sleeping on
 //! every kick and group descriptor at once), and what it counts and reports
 //! of any ring (kicks, broken rings, malformed chains).
@@ -36,13 +38,30 @@ pub struct Start {
     pub inflight: Option<InflightLog>,
 }
 
-/// What the control thread asks of a worker. Every command is answered on
-/// its reply channel, so the control thread knows the worker has acted.
+/// A queue group's name on a worker: its device (a daemon-wide number) and
+/// its index among that device's groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GroupKey {
+    /// The device's number (`Pool::new_device`).
+    pub device: u64,
+    /// The group's index among its device's groups.
+    pub group: usize,
+}
+
+/// What a control thread asks of a worker. Every command is answered on
+/// its reply channel, so the caller knows the worker has acted.
 enum Cmd {
-    /// Start processing ring `slot` of group `group`.
-    Attach { group: usize, slot: usize, start: Box<Start>, reply: Sender<()> },
+    /// Run a new group (no ring attached yet).
+    Add { key: GroupKey, group: Box<dyn QueueGroup>, run: Arc<RunState>, reply: Sender<()> },
+    /// Stop running a group and give it back with its rings (to move it, or
+    /// to drop it with its device).
+    Take { key: GroupKey, reply: Sender<Option<Unit>> },
+    /// Run a group another worker gave back, rings and all.
+    Put { unit: Unit, reply: Sender<()> },
+    /// Start processing ring `slot` of a group.
+    Attach { key: GroupKey, slot: usize, start: Box<Start>, reply: Sender<()> },
     /// Stop processing a ring and give it back.
-    Detach { group: usize, slot: usize, reply: Sender<Option<Returned>> },
+    Detach { key: GroupKey, slot: usize, reply: Sender<Option<Returned>> },
     /// Report counters.
     Stats { reply: Sender<WorkerReport> },
 }
@@ -59,6 +78,8 @@ pub struct RingReport {
 /// Counters of one queue group.
 #[derive(Clone, Debug, Default)]
 pub struct GroupReport {
+    /// The group's device number.
+    pub device: u64,
     /// The group's index among its device's groups.
     pub group: usize,
     /// Per ring slot.
@@ -82,13 +103,13 @@ pub struct WorkerReport {
     pub sleeps: u64,
 }
 
-/// Shared between a device's session and its workers.
+/// Shared between a device's session and the workers running its groups.
 #[derive(Default)]
 pub struct RunState {
+    /// The device's name (log lines of a worker running many devices).
+    pub name: String,
     /// Set when a ring broke: the device reports NEEDS_RESET.
     pub needs_reset: AtomicBool,
-    /// Set at shutdown.
-    pub stop: AtomicBool,
 }
 
 /// The control thread's handle on a worker.
@@ -107,18 +128,39 @@ impl WorkerHandle {
         let _ = self.wake.write(1);
     }
 
-    /// Hands ring `slot` of group `group` to the worker and waits until it runs.
-    pub fn attach(&self, group: usize, slot: usize, start: Start) {
+    /// Gives the worker a new group to run and waits until it has it.
+    pub fn add(&self, key: GroupKey, group: Box<dyn QueueGroup>, run: Arc<RunState>) {
         let (reply, rx) = channel();
-        self.send(Cmd::Attach { group, slot, start: Box::new(start), reply });
+        self.send(Cmd::Add { key, group, run, reply });
+        let _ = rx.recv();
+    }
+
+    /// Takes a group away, with its rings still attached (None: not here).
+    pub fn take(&self, key: GroupKey) -> Option<Unit> {
+        let (reply, rx) = channel();
+        self.send(Cmd::Take { key, reply });
+        rx.recv().ok().flatten()
+    }
+
+    /// Runs a group taken from another worker.
+    pub fn put(&self, unit: Unit) {
+        let (reply, rx) = channel();
+        self.send(Cmd::Put { unit, reply });
+        let _ = rx.recv();
+    }
+
+    /// Hands ring `slot` of a group to the worker and waits until it runs.
+    pub fn attach(&self, key: GroupKey, slot: usize, start: Start) {
+        let (reply, rx) = channel();
+        self.send(Cmd::Attach { key, slot, start: Box::new(start), reply });
         let _ = rx.recv();
     }
 
     /// Takes a ring back (with its kick and call eventfds), once nothing of
     /// it is in flight.
-    pub fn detach(&self, group: usize, slot: usize) -> Option<Returned> {
+    pub fn detach(&self, key: GroupKey, slot: usize) -> Option<Returned> {
         let (reply, rx) = channel();
-        self.send(Cmd::Detach { group, slot, reply });
+        self.send(Cmd::Detach { key, slot, reply });
         rx.recv().ok().flatten()
     }
 
@@ -129,7 +171,7 @@ impl WorkerHandle {
         rx.recv().unwrap_or_default()
     }
 
-    /// Waits for the thread to end (its `stop` is set) and returns its final
+    /// Waits for the thread to end (the pool's `stop` is set) and returns its final
     /// counters; default counters if it already ended.
     pub fn join(&self) -> WorkerReport {
         self.pending.store(true, Ordering::Release);
@@ -213,9 +255,10 @@ struct SlotState {
     bad_logged_at: Option<std::time::Instant>,
 }
 
-/// A queue group on this worker, with its rings.
-struct Unit {
-    index: usize,
+/// A queue group on a worker, with its rings (moved whole between workers).
+pub struct Unit {
+    key: GroupKey,
+    run: Arc<RunState>,
     group: Box<dyn QueueGroup>,
     rings: Vec<Option<Ring>>,
     slots: Vec<SlotState>,
@@ -232,8 +275,11 @@ struct Worker {
     mode: Mode,
     cmds: Receiver<Cmd>,
     wake: EventFd,
+    /// Handed to groups placed here: wakes this worker.
+    waker: Waker,
     pending: Arc<AtomicBool>,
-    run: Arc<RunState>,
+    /// The pool's: set at shutdown.
+    stop: Arc<AtomicBool>,
     epoll: Epoll,
     idle_iters: u64,
     busy_iters: u64,
@@ -278,15 +324,15 @@ fn kick_token(unit: usize, slot: usize) -> u64 {
     ((unit as u64) << 16) | slot as u64
 }
 
-/// Starts worker `index` running `groups` (index among their device's
-/// groups, and the group), pinned to `cpu` if given.
+/// Starts worker `index` (no groups yet), pinned to `cpu` if given; it
+/// ends when `stop` is set and it is woken (`WorkerHandle::join`). `name`
+/// names its thread and its log lines.
 pub fn spawn(
-    device: &str,
+    name: &str,
     index: usize,
-    groups: Vec<(usize, Box<dyn QueueGroup>)>,
     mode: Mode,
     cpu: Option<usize>,
-    run: Arc<RunState>,
+    stop: Arc<AtomicBool>,
 ) -> std::io::Result<WorkerHandle> {
     let (tx, cmds) = channel();
     let wake = EventFd::new(EFD_NONBLOCK)?;
@@ -294,30 +340,15 @@ pub fn spawn(
     let epoll = Epoll::new()?;
     epoll.ctl(ControlOperation::Add, wake.as_raw_fd(), EpollEvent::new(EventSet::IN, WAKE_TOKEN))?;
     let waker = Waker::new(wake.try_clone()?);
-    let mut units = Vec::new();
-    for (k, (index, mut group)) in groups.into_iter().enumerate() {
-        if let Some(fd) = group.event_fd() {
-            // Armed before each sleep, as the group asks.
-            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::empty(), EVENT_TOKEN | k as u64))?;
-        }
-        group.placed(&waker);
-        let n = group.ring_slots();
-        units.push(Unit {
-            index,
-            group,
-            rings: (0..n).map(|_| None).collect(),
-            slots: (0..n).map(|_| SlotState::default()).collect(),
-            armed: false,
-        });
-    }
     let worker = Worker {
         index,
-        units,
+        units: Vec::new(),
         mode,
         cmds,
         wake: wake.try_clone()?,
+        waker,
         pending: pending.clone(),
-        run,
+        stop,
         epoll,
         idle_iters: 0,
         busy_iters: 0,
@@ -327,9 +358,11 @@ pub fn spawn(
         must_poll: false,
         lost_seen: crate::memory::lost_mappings(),
     };
-    let device = device.to_string();
-    let thread = std::thread::Builder::new().name(format!("vhostd-q{index}")).spawn(move || {
-        let _span = tracing::info_span!("dev", device = %device, worker = index).entered();
+    let span_name = name.to_string();
+    // Thread names are at most 15 bytes: "vhostd-q3", "vhostd-w12".
+    let thread_name = if name == "pool" { format!("vhostd-w{index}") } else { format!("vhostd-q{index}") };
+    let thread = std::thread::Builder::new().name(thread_name).spawn(move || {
+        let _span = tracing::info_span!("dev", device = %span_name, worker = index).entered();
         if let Some(cpu) = cpu {
             pin_to_cpu(cpu);
         }
@@ -370,7 +403,7 @@ impl Worker {
                     .units
                     .iter()
                     .any(|u| u.rings.iter().zip(&u.slots).any(|(r, s)| r.is_some() && s.kick.is_none()));
-                if self.run.stop.load(Ordering::Acquire) {
+                if self.stop.load(Ordering::Acquire) {
                     break;
                 }
             }
@@ -462,7 +495,7 @@ impl Worker {
                     })
                     .collect();
                 let queues: Vec<QueueStats> = rings.iter().map(|r| r.queue).collect();
-                GroupReport { group: u.index, counters: u.group.counters(&queues), rings }
+                GroupReport { device: u.key.device, group: u.key.group, counters: u.group.counters(&queues), rings }
             })
             .collect();
         WorkerReport {
@@ -474,19 +507,39 @@ impl Worker {
         }
     }
 
-    fn unit_of(&self, group: usize) -> Option<usize> {
-        self.units.iter().position(|u| u.index == group)
+    fn unit_of(&self, key: GroupKey) -> Option<usize> {
+        self.units.iter().position(|u| u.key == key)
     }
 
     fn handle_cmds(&mut self) {
         while let Ok(cmd) = self.cmds.try_recv() {
             match cmd {
-                Cmd::Attach { group, slot, start, reply } => {
-                    self.attach(group, slot, *start);
+                Cmd::Add { key, group, run, reply } => {
+                    let n = group.ring_slots();
+                    let unit = Unit {
+                        key,
+                        run,
+                        group,
+                        rings: (0..n).map(|_| None).collect(),
+                        slots: (0..n).map(|_| SlotState::default()).collect(),
+                        armed: false,
+                    };
+                    self.put(unit);
                     let _ = reply.send(());
                 }
-                Cmd::Detach { group, slot, reply } => {
-                    let _ = reply.send(self.detach(group, slot));
+                Cmd::Take { key, reply } => {
+                    let _ = reply.send(self.take(key));
+                }
+                Cmd::Put { unit, reply } => {
+                    self.put(unit);
+                    let _ = reply.send(());
+                }
+                Cmd::Attach { key, slot, start, reply } => {
+                    self.attach(key, slot, *start);
+                    let _ = reply.send(());
+                }
+                Cmd::Detach { key, slot, reply } => {
+                    let _ = reply.send(self.detach(key, slot));
                 }
                 Cmd::Stats { reply } => {
                     let _ = reply.send(self.report());
@@ -495,10 +548,63 @@ impl Worker {
         }
     }
 
-    fn attach(&mut self, group: usize, slot: usize, start: Start) {
+    /// Registers unit `k`'s descriptors (its running rings' kicks, its
+    /// event descriptor) in the epoll set under its position's tokens:
+    /// `add` for a unit just placed, else a change after positions shifted.
+    fn register(&self, k: usize, add: bool) {
+        let op = || if add { ControlOperation::Add } else { ControlOperation::Modify };
+        let u = &self.units[k];
+        for (slot, (r, s)) in u.rings.iter().zip(&u.slots).enumerate() {
+            if let (Some(_), Some(fd)) = (r, &s.kick) {
+                let _ = self.epoll.ctl(op(), fd.as_raw_fd(), EpollEvent::new(EventSet::IN, kick_token(k, slot)));
+            }
+        }
+        if let Some(fd) = u.group.event_fd() {
+            // Armed before each sleep, as the group asks.
+            let events = if u.armed { EventSet::IN } else { EventSet::empty() };
+            let _ = self.epoll.ctl(op(), fd, EpollEvent::new(events, EVENT_TOKEN | k as u64));
+        }
+    }
+
+    /// Runs a unit here: its descriptors join the epoll set, its group
+    /// learns how to wake this worker.
+    fn put(&mut self, mut unit: Unit) {
+        if self.unit_of(unit.key).is_some() {
+            // The pool never places a group twice.
+            tracing::error!(group = unit.key.group, "group placed twice on a worker; the older copy is dropped");
+            drop(self.take(unit.key));
+        }
+        unit.group.placed(&self.waker);
+        self.units.push(unit);
+        self.register(self.units.len() - 1, true);
+    }
+
+    /// Takes a unit out with its rings still attached (a move keeps their
+    /// state), its descriptors out of the epoll set.
+    fn take(&mut self, key: GroupKey) -> Option<Unit> {
+        let k = self.unit_of(key)?;
+        let u = self.units.remove(k);
+        for (r, s) in u.rings.iter().zip(&u.slots) {
+            if let (Some(_), Some(fd)) = (r, &s.kick) {
+                let _ = self.epoll.ctl(ControlOperation::Delete, fd.as_raw_fd(), EpollEvent::default());
+            }
+        }
+        if let Some(fd) = u.group.event_fd() {
+            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+        }
+        // The units after it moved down one place: their tokens follow.
+        for j in k..self.units.len() {
+            self.register(j, false);
+        }
+        self.attached = self.units.iter().any(|u| u.rings.iter().any(Option::is_some));
+        Some(u)
+    }
+
+    fn attach(&mut self, key: GroupKey, slot: usize, start: Start) {
         // The device placed the ring here: a group or slot the worker does
         // not have is a bug in the device's `place`, not guest input.
-        let Some(k) = self.unit_of(group) else {
+        let group = key.group;
+        let Some(k) = self.unit_of(key) else {
             tracing::error!(group, slot, "ring placed in a group this worker does not run; left stopped");
             return;
         };
@@ -507,7 +613,7 @@ impl Worker {
             return;
         }
         // A ring already there goes first (the session never does this).
-        let _ = self.detach(group, slot);
+        let _ = self.detach(key, slot);
         let Start { mut queue, kick, call, err, features, inflight } = start;
         let u = &mut self.units[k];
         if let Some(fd) = &kick {
@@ -541,8 +647,8 @@ impl Worker {
         u.rings[slot] = Some(ring);
     }
 
-    fn detach(&mut self, group: usize, slot: usize) -> Option<Returned> {
-        let k = self.unit_of(group)?;
+    fn detach(&mut self, key: GroupKey, slot: usize) -> Option<Returned> {
+        let k = self.unit_of(key)?;
         let u = &mut self.units[k];
         let mut ring = u.rings.get_mut(slot)?.take()?;
         let s = &mut u.slots[slot];
@@ -598,7 +704,8 @@ impl Worker {
                 let now = std::time::Instant::now();
                 if s.bad_logged_at.is_none_or(|t| now.duration_since(t) >= BAD_CHAIN_LOG_INTERVAL) {
                     tracing::warn!(
-                        group = u.index,
+                        device = %u.run.name,
+                        group = u.key.group,
                         ring = slot,
                         new = bad.wrapping_sub(s.bad_logged),
                         total = bad,
@@ -616,8 +723,8 @@ impl Worker {
             }
             if r.queue.is_broken() && !s.err_signalled {
                 s.err_signalled = true;
-                self.run.needs_reset.store(true, Ordering::Release);
-                tracing::error!(group = u.index, ring = slot, "guest broke a ring; device needs reset");
+                u.run.needs_reset.store(true, Ordering::Release);
+                tracing::error!(device = %u.run.name, group = u.key.group, ring = slot, "guest broke a ring; device needs reset");
                 if let Some(e) = &s.err {
                     let _ = e.write(1);
                 }

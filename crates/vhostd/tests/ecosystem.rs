@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::os::unix::process::CommandExt;
@@ -50,14 +50,7 @@ struct Proc {
 impl Proc {
     fn spawn(mut cmd: Command) -> Proc {
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn vhostd");
-        let stderr = child.stderr.take().unwrap();
-        let err = Arc::new(Mutex::new(String::new()));
-        let e2 = err.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                e2.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
+        let err = common::collect_stderr(&mut child);
         Proc { child: Some(child), err }
     }
 

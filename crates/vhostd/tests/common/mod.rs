@@ -144,6 +144,19 @@ impl Drop for Daemon {
     }
 }
 
+/// Collects a child's stderr lines (on a thread) into the returned string.
+pub fn collect_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<String>> {
+    let stderr = child.stderr.take().expect("stderr piped");
+    let err = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let e2 = err.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            e2.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    err
+}
+
 /// vhostd's exit counters: `stats queue=N dir=.. k=v..` and `stats total k=v..`.
 #[derive(Debug, Default)]
 pub struct Stats {

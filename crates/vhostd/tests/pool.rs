@@ -1,0 +1,338 @@
+//! One daemon as a host runs it: a shared pool of dataplane workers,
+//! devices added, removed and pinned at runtime with `vhostd ctl`, while
+//! others carry traffic and lose nothing; the balancer moving a queue off a
+//! loaded worker.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{frame, tempdir, wait_until};
+use serde_json::Value;
+use vhostd_user::blk::workload::{self, Mode, Workload};
+use vhostd_user::{Options, VirtioUser};
+
+const VHOSTD: &str = env!("CARGO_BIN_EXE_vhostd");
+const T: Duration = Duration::from_secs(10);
+
+/// A pool daemon in a directory of its own; killed and removed on drop.
+struct PoolDaemon {
+    child: Option<Child>,
+    err: Arc<Mutex<String>>,
+    dir: PathBuf,
+}
+
+impl PoolDaemon {
+    /// `vhostd --control DIR/ctl --seccomp trap ARGS` with no devices; waits
+    /// (bounded) for the control socket. `trap`: a system call adding a
+    /// device needs that the filter refuses ends the test with its number.
+    fn start(args: &[&str]) -> PoolDaemon {
+        let dir = tempdir();
+        let ctl = dir.join("ctl");
+        let mut child = Command::new(VHOSTD)
+            .args(["--control", ctl.to_str().unwrap(), "--seccomp", "trap"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn vhostd");
+        let err = common::collect_stderr(&mut child);
+        let d = PoolDaemon { child: Some(child), err, dir };
+        assert!(wait_until(T, || ctl.exists()), "no control socket; stderr:\n{}", d.stderr());
+        d
+    }
+
+    fn stderr(&self) -> String {
+        self.err.lock().unwrap().clone()
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// `vhostd ctl ARGS`: exit status, stdout, stderr.
+    fn ctl(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(VHOSTD)
+            .args(["ctl", "--control", self.path("ctl").to_str().unwrap()])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// `vhostd ctl ARGS`, which must succeed.
+    fn ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.ctl(args);
+        assert_eq!(code, 0, "vhostd ctl {args:?}: {err}\ndaemon:\n{}", self.stderr());
+        out
+    }
+
+    /// `vhostd ctl ARGS`, which must fail: its message.
+    fn refused(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.ctl(args);
+        assert_ne!(code, 0, "vhostd ctl {args:?} succeeded: {out}");
+        assert!(self.alive(), "vhostd died; stderr:\n{}", self.stderr());
+        err
+    }
+
+    /// Adds a net device NAME on DIR/NAME.sock.
+    fn add_net(&self, name: &str, extra: &[&str]) -> PathBuf {
+        let sock = self.path(&format!("{name}.sock"));
+        let mut args = vec!["add", "net", "--name", name, "--socket-path", sock.to_str().unwrap()];
+        args.extend(extra);
+        self.ok(&args);
+        sock
+    }
+
+    /// `vhostd ctl --json list`.
+    fn list(&self) -> Value {
+        serde_json::from_str(&self.ok(&["--json", "list"])).unwrap()
+    }
+
+    /// The worker each queue of device `name` runs on.
+    fn workers_of(&self, name: &str) -> Vec<u64> {
+        let l = self.list();
+        let d = l["devices"].as_array().unwrap().iter().find(|d| d["name"] == name).unwrap().clone();
+        d["queues"].as_array().unwrap().iter().map(|q| q["worker"].as_u64().unwrap()).collect()
+    }
+
+    /// Still running (not exited, not a zombie).
+    fn alive(&self) -> bool {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        stat.rsplit(')').next().and_then(|s| s.split_whitespace().next()).is_some_and(|st| st != "Z")
+    }
+
+    /// The names of the daemon's threads.
+    fn threads(&self) -> Vec<String> {
+        let dir = format!("/proc/{}/task", self.pid());
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|s| s.trim().to_string())
+            .collect()
+    }
+}
+
+impl Drop for PoolDaemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Loops `total` frames through a loopback device on `sock`, each back
+/// exactly once and in order; stops early (returning what came back) once
+/// `stop` is set.
+fn loop_frames(sock: &Path, total: u32, stop: &AtomicBool) -> u32 {
+    let mut dev = VirtioUser::connect(Options::new(sock)).expect("connect");
+    let (mut rx, mut tx) = dev.net_queue_pair(0, 256).unwrap();
+    let (mut sent, mut got) = (0u32, 0u32);
+    let ok = wait_until(Duration::from_secs(60), || {
+        tx.reclaim().unwrap();
+        let mut n = 0;
+        // At most a ring's worth in flight: loopback drops what finds no RX buffer.
+        while sent < total && sent - got < 128 && tx.send_frame(&frame(sent, 64)).unwrap() {
+            sent += 1;
+            n += 1;
+        }
+        if n > 0 {
+            tx.flush().unwrap();
+        }
+        rx.recv_burst(64, |f| {
+            assert_eq!(f.len(), 64, "frame {got} length");
+            assert_eq!(f, frame(got, 64).as_slice(), "frame {got} out of order or changed");
+            got += 1;
+        })
+        .unwrap();
+        got == total || stop.load(Ordering::Relaxed)
+    });
+    assert!(ok, "{got} of {total} frames came back");
+    got
+}
+
+#[test]
+fn devices_come_and_go_at_runtime_while_others_carry_traffic() {
+    let d = PoolDaemon::start(&["--workers", "2", "--rebalance-interval", "0"]);
+    // The pool's threads are there before any device.
+    let workers = |d: &PoolDaemon| d.threads().iter().filter(|t| t.starts_with("vhostd-w")).count();
+    assert_eq!(workers(&d), 2, "threads: {:?}", d.threads());
+
+    let n1 = d.add_net("n1", &["--backend", "loopback"]);
+    let n2 = d.add_net("n2", &["--backend", "loopback", "--queues", "2"]);
+    let img = d.path("disk.img");
+    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+    let b1 = d.path("b1.sock");
+    d.ok(&[
+        "add",
+        "blk",
+        "--name",
+        "b1",
+        "--socket-path",
+        b1.to_str().unwrap(),
+        "--backend",
+        &format!("file,path={}", img.display()),
+    ]);
+    let b2 = d.path("b2.sock");
+    d.ok(&["add", "blk", "--name", "b2", "--socket-path", b2.to_str().unwrap(), "--backend", "null,size=64M"]);
+    for s in [&n1, &n2, &b1, &b2] {
+        assert!(s.exists(), "{} not created", s.display());
+    }
+    // Every device's queues on the pool's two workers, spread: n1 and n2's
+    // first pairs on different workers, n2's two pairs on both.
+    let (w1, w2) = (d.workers_of("n1"), d.workers_of("n2"));
+    assert_eq!(w1.len(), 2, "n1: a pair and the control queue");
+    assert_eq!(w2.len(), 3, "n2: two pairs and the control queue");
+    assert!(w1.iter().chain(&w2).all(|&w| w < 2));
+    assert_ne!(w2[0], w2[1], "n2's pairs on the same worker: {w2:?}");
+    assert_eq!(workers(&d), 2, "the pool does not grow with devices: {:?}", d.threads());
+
+    // Traffic through n1 (exact, in order) while n2 is removed and n3
+    // added, and n1's pair is moved between workers twice.
+    let stop = Arc::new(AtomicBool::new(false));
+    let total = 200_000;
+    let t = {
+        let (n1, stop) = (n1.clone(), stop.clone());
+        std::thread::spawn(move || loop_frames(&n1, total, &stop))
+    };
+    let mut blk = VirtioUser::connect(Options::blk(&b1)).unwrap();
+    let cap = blk.blk_config().unwrap().capacity;
+    let mut qs = vec![blk.blk_queue(0, 16, 4096).unwrap()];
+    let w = Workload { seed: 7, ..Workload::new(Mode::Verify, 4096) };
+    assert!(workload::run(&mut qs, cap, &w, None).unwrap().passed(), "b1 verify");
+
+    // n2 has a frontend, which sees the socket close on removal.
+    let mut f2 = VirtioUser::connect(Options::new(&n2)).unwrap();
+    let _pair = f2.net_queue_pair(0, 256).unwrap();
+    assert!(d.ok(&["remove", "n2"]).contains("removed n2"));
+    assert!(!n2.exists(), "n2's socket left behind");
+    assert!(wait_until(T, || f2.backend_gone()), "n2's frontend did not see the socket close");
+    assert!(f2.get_vring_base(0).is_err(), "n2 still answers after its removal");
+    let n3 = d.add_net("n3", &["--backend", "loopback"]);
+    let from = d.workers_of("n1")[0];
+    d.ok(&["pin", "n1", "0", &(1 - from).to_string()]);
+    assert_eq!(d.workers_of("n1")[0], 1 - from);
+    d.ok(&["pin", "n1", "0", &from.to_string()]);
+    let got = t.join().unwrap();
+    assert_eq!(got, total, "n1 lost frames while devices came and went");
+    let stop3 = AtomicBool::new(false);
+    assert_eq!(loop_frames(&n3, 10_000, &stop3), 10_000, "n3 added at runtime");
+    let w = Workload { seed: 8, count: Some(256), ..Workload::new(Mode::Verify, 4096) };
+    assert!(workload::run(&mut qs, cap, &w, None).unwrap().passed(), "b1 after the changes");
+    drop(qs);
+    drop(blk);
+
+    // Exact counters of the device that stayed, from the control socket.
+    let s = d.ok(&["--json", "list"]);
+    assert!(!s.contains("\"n2\""), "n2 still listed: {s}");
+    let stats: Value = {
+        let out = Command::new(VHOSTD)
+            .args(["stats", "--json", "--control", d.path("ctl").to_str().unwrap()])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let n1s = stats["devices"].as_array().unwrap().iter().find(|x| x["name"] == "n1").unwrap().clone();
+    let q = |i: u64| n1s["queues"].as_array().unwrap().iter().find(|q| q["queue"] == i).unwrap()["packets"].clone();
+    assert_eq!((q(0), q(1)), (Value::from(total), Value::from(total)), "n1 rx/tx packets");
+    assert_eq!(workers(&d), 2, "threads: {:?}", d.threads());
+}
+
+#[test]
+fn ctl_errors_name_the_key_and_leave_nothing() {
+    let d = PoolDaemon::start(&["--workers", "2"]);
+    d.add_net("n1", &["--backend", "sink"]);
+    let other = d.path("x.sock");
+    let x = other.to_str().unwrap();
+    let e = d.refused(&["add", "net", "--name", "n1", "--socket-path", x, "--backend", "sink"]);
+    assert!(e.contains("--name n1: a device of that name exists"), "{e}");
+    let n1 = d.path("n1.sock");
+    let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", n1.to_str().unwrap(), "--backend", "sink"]);
+    assert!(e.contains("--socket-path") && e.contains("device `n1` serves it"), "{e}");
+    let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", x, "--backend", "sink", "--mode", "poll"]);
+    assert!(e.contains("--mode") && e.contains("--worker-mode"), "{e}");
+    let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", x, "--backend", "sink", "--cpus", "0"]);
+    assert!(e.contains("--cpus") && e.contains("--worker-cpus"), "{e}");
+    let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", x, "--backend", "nope"]);
+    assert!(e.contains("--backend") && e.contains("unknown backend 'nope'"), "{e}");
+    let e = d.refused(&["add", "net", "--socket-path", x, "--backend", "sink"]);
+    assert!(e.contains("--name: required"), "{e}");
+    let e = d.refused(&["add", "disk", "--name", "n2"]);
+    assert!(e.contains("expected net or blk"), "{e}");
+    // A backend that cannot be opened: nothing of the device stays.
+    let e = d.refused(&["add", "blk", "--name", "b1", "--socket-path", x, "--backend", "file,path=/nonexistent/img"]);
+    assert!(e.contains("/nonexistent/img"), "{e}");
+    assert!(!other.exists(), "socket of a device that failed to build left behind");
+    let e = d.refused(&["remove", "b1"]);
+    assert!(e.contains("no such device"), "{e}");
+    let e = d.refused(&["pin", "n1", "5", "0"]);
+    assert!(e.contains("queue 5: expected 0 to 1"), "{e}");
+    let e = d.refused(&["pin", "n1", "0", "2"]);
+    assert!(e.contains("worker 2: expected 0 to 1"), "{e}");
+    let l = d.list();
+    assert_eq!(l["devices"].as_array().unwrap().len(), 1, "{l}");
+    // The control socket is the owner's and the group's only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(d.path("ctl")).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660);
+}
+
+#[test]
+fn the_balancer_moves_a_queue_off_a_loaded_worker() {
+    let d = PoolDaemon::start(&["--workers", "2", "--rebalance-interval", "1"]);
+    // Sources: vhostd writes every frame (1500 bytes) into the guest's
+    // buffers, so each queue costs its worker a good part of a CPU.
+    let s1 = d.add_net("s1", &["--backend", "source", "--pkt-size", "1500"]);
+    let s2 = d.add_net("s2", &["--backend", "source", "--pkt-size", "1500"]);
+    // Both queues on one worker, free to move.
+    let w = d.workers_of("s1")[0];
+    d.ok(&["pin", "s2", "0", &w.to_string()]);
+    d.ok(&["unpin", "s2", "0"]);
+    assert_eq!((d.workers_of("s1")[0], d.workers_of("s2")[0]), (w, w));
+    let stop = Arc::new(AtomicBool::new(false));
+    let receivers: Vec<_> = [s1, s2]
+        .into_iter()
+        .map(|sock| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut dev = VirtioUser::connect(Options::new(&sock)).expect("connect");
+                let (mut rx, _tx) = dev.net_queue_pair(0, 256).unwrap();
+                let mut got = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    if rx.recv_burst(64, |_| got += 1).unwrap() == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+                got
+            })
+        })
+        .collect();
+    // Three steady samples a second apart, then the move.
+    let moved = wait_until(Duration::from_secs(20), || d.workers_of("s1")[0] != d.workers_of("s2")[0]);
+    stop.store(true, Ordering::Relaxed);
+    for r in receivers {
+        assert!(r.join().unwrap() > 0, "a source sent nothing");
+    }
+    assert!(moved, "the queues stayed on one worker; stderr:\n{}", d.stderr());
+    assert!(d.stderr().contains("balancer: queue moved"), "{}", d.stderr());
+    // A pinned queue stays where it was put.
+    let before = d.workers_of("s1")[0];
+    d.ok(&["pin", "s1", "0", &before.to_string()]);
+    let l = d.list();
+    let s1 = l["devices"].as_array().unwrap().iter().find(|x| x["name"] == "s1").unwrap().clone();
+    assert_eq!(s1["queues"][0]["pinned"], true);
+}
