@@ -2,8 +2,9 @@
 //! to the least busy one when the first stays loaded and the move narrows
 //! the spread, as OVS-DPDK's `pmd-auto-lb` does. Load is what the workers
 //! measure: TSC cycles of passes that did work, per group, sampled once a
-//! second. No flapping: a move needs the same imbalance in `STEADY`
-//! samples in a row, a margin on both sides (hysteresis), and the
+//! second and smoothed (each sample half the estimate). No flapping: a
+//! move needs the same imbalance (between the same two workers) in
+//! `STEADY` samples in a row, a margin on both sides (hysteresis), and the
 //! configured interval since the last move. Pinned groups stay.
 
 use std::collections::HashMap;
@@ -74,7 +75,12 @@ fn run(daemon: Weak<Daemon>, every: Duration) {
     let mut at = Instant::now();
     let mut last_move: Option<Instant> = None;
     let mut steady = 0u32;
-    let mut wanted: Option<(u64, usize, usize)> = None;
+    // The (from, to) workers of the move the last samples asked for: the
+    // imbalance must hold, whichever of similar groups each sample picks.
+    let mut wanted: Option<(usize, usize)> = None;
+    // Smoothed busy cycles per second of each group: one sample's dip or
+    // spike (a frontend descheduled) does not decide a move.
+    let mut smooth: HashMap<(u64, usize), u64> = HashMap::new();
     loop {
         std::thread::sleep(Duration::from_secs(1));
         let Some(d) = daemon.upgrade() else { return };
@@ -84,6 +90,7 @@ fn run(daemon: Weak<Daemon>, every: Duration) {
         let secs = at.elapsed().as_secs_f64().max(0.001);
         at = Instant::now();
         let mut now: HashMap<(u64, usize), u64> = HashMap::new();
+        let mut smooth_now: HashMap<(u64, usize), u64> = HashMap::new();
         let mut groups = Vec::new();
         for (i, (e, reps)) in entries.iter().zip(&reports).enumerate() {
             let places = e.served.places();
@@ -93,45 +100,49 @@ fn run(daemon: Weak<Daemon>, every: Duration) {
                     let key = (e.served.id, g.group);
                     now.insert(key, busy);
                     let delta = busy.saturating_sub(last.get(&key).copied().unwrap_or(busy));
+                    let rate = (delta as f64 / secs) as u64;
+                    let load = smooth.get(&key).map_or(rate, |&old| old / 2 + rate / 2);
+                    smooth_now.insert(key, load);
                     let pinned = places.get(g.group).is_some_and(|p| p.pinned);
-                    groups.push(GroupLoad {
-                        device: i,
-                        group: g.group,
-                        worker: r.worker,
-                        load: (delta as f64 / secs) as u64,
-                        pinned,
-                    });
+                    groups.push(GroupLoad { device: i, group: g.group, worker: r.worker, load, pinned });
                 }
             }
         }
         last = now;
+        smooth = smooth_now;
         let mut per_worker = vec![0u64; pool.workers.len()];
         for g in &groups {
             if let Some(l) = per_worker.get_mut(g.worker) {
                 *l += g.load;
             }
         }
-        tracing::debug!(load = ?per_worker, "balancer sample (busy cycles per second per worker)");
+        tracing::debug!(
+            load = ?per_worker,
+            groups = ?groups.iter().map(|g| (g.worker, g.load)).collect::<Vec<_>>(),
+            "balancer sample (busy cycles per second per worker; per group: worker, load)"
+        );
         pool.set_load(per_worker);
-        let choice = choose_move(&groups, pool.workers.len(), hz).map(|(i, to)| {
-            let g = groups[i];
-            (entries[g.device].served.id, g.group, to)
-        });
-        if choice.is_some() && choice == wanted {
+        let choice = choose_move(&groups, pool.workers.len(), hz);
+        let between = choice.map(|(i, to)| (groups[i].worker, to));
+        if between.is_some() && between == wanted {
             steady += 1;
         } else {
-            steady = u32::from(choice.is_some());
-            wanted = choice;
+            steady = u32::from(between.is_some());
+            wanted = between;
         }
         let rested = last_move.is_none_or(|t| t.elapsed() >= every);
-        if let (Some((id, group, to)), true, true) = (wanted, steady >= STEADY, rested) {
-            if let Some(e) = entries.iter().find(|e| e.served.id == id) {
-                match e.served.move_group(group, to, false) {
-                    Ok(()) => {
-                        tracing::info!(device = %e.name, group, to, "balancer: queue moved to a less loaded worker")
-                    }
-                    Err(m) => tracing::warn!(device = %e.name, "balancer: {m}"),
-                }
+        if let (Some((i, to)), true, true) = (choice, steady >= STEADY, rested) {
+            let g = groups[i];
+            let e = &entries[g.device];
+            match e.served.move_group(g.group, to, false) {
+                Ok(()) => tracing::info!(
+                    device = %e.name,
+                    group = g.group,
+                    from = g.worker,
+                    to,
+                    "balancer: queue moved to a less loaded worker"
+                ),
+                Err(m) => tracing::warn!(device = %e.name, "balancer: {m}"),
             }
             last_move = Some(Instant::now());
             steady = 0;
