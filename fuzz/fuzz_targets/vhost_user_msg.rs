@@ -261,8 +261,7 @@ fuzz_target!(|data: &[u8]| {
         // What the input made the device do (for writing seeds).
         eprintln!("serve_connection: {result:?}");
         for (name, d) in [("blk", &devs.blk), ("net", &devs.net)] {
-            for w in &d.workers {
-                let r = w.report();
+            for r in d.reports() {
                 for g in &r.groups {
                     for (i, ring) in g.rings.iter().enumerate() {
                         if ring.queue.chains + ring.queue.bad_chains > 0 {

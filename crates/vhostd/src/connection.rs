@@ -67,61 +67,223 @@ const MAX_FDS: usize = 32;
 /// The longest message the shim answers (SET_VRING_ADDR).
 const LONGEST: usize = HEADER + 40;
 
-/// Serves one connection until it ends. Returns true if `stop` (a
-/// descriptor) became readable.
-pub fn serve(conn: UnixStream, dev: &Arc<Served>, stop: RawFd) -> io::Result<bool> {
-    let session = Arc::new(Mutex::new(Session::new(dev.clone())));
-    let mut handler = BackendReqHandler::from_stream(conn.try_clone()?, session.clone());
-    let mut refused = 0u64;
-    let stopped = loop {
-        if wait_readable(&[conn.as_raw_fd(), stop])? == 1 {
-            break true;
+/// The most messages answered in one go: a frontend flooding its socket
+/// must let the other devices' frontends be served in between.
+const BURST: usize = 64;
+
+/// Bytes of replies a frontend may leave unread before its connection is
+/// closed. vhost-user is request and reply: a frontend reads each reply
+/// before the next request wanting one, so more than a few unread is a
+/// frontend that never reads. Checked before each message, so a reply
+/// never waits for room: the `vhost` crate retries a full socket forever,
+/// which would hold the thread serving every device's frontend.
+const MAX_UNREAD: libc::c_int = 64 * 1024;
+
+/// One vhost-user connection being served: answered a message at a time,
+/// only once a whole message has arrived, so a frontend that stops
+/// mid-message holds nothing but its own connection.
+pub struct Conn {
+    stream: UnixStream,
+    session: Arc<Mutex<Session>>,
+    handler: BackendReqHandler<Mutex<Session>>,
+    refused: u64,
+}
+
+/// What serving a connection's waiting messages came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing whole is waiting: wait for more bytes.
+    Wait,
+    /// More whole messages may be waiting (a burst was answered).
+    More,
+    /// The connection is over (closed, or closed by us).
+    End,
+}
+
+/// The next message in the socket, as far as it has arrived.
+enum Next {
+    Empty,
+    /// Part of a header, or a whole header and none of its payload yet.
+    Partial,
+    /// A whole header and part of its payload: frontends send a message
+    /// in one piece, so the rest is not coming (the `vhost` crate's short
+    /// read refused it too).
+    Short,
+    Whole,
+    Closed,
+}
+
+impl Conn {
+    /// A new connection to `dev` over `stream`.
+    pub fn new(stream: UnixStream, dev: &Arc<Served>) -> io::Result<Conn> {
+        let session = Arc::new(Mutex::new(Session::new(dev.clone())));
+        let handler = BackendReqHandler::from_stream(stream.try_clone()?, session.clone());
+        Ok(Conn { stream, session, handler, refused: 0 })
+    }
+
+    /// Its socket.
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+
+    /// Answers the whole messages waiting, at most `BURST`; `hup`: the
+    /// frontend hung up (what it sent whole is still answered).
+    pub fn serve_ready(&mut self, hup: bool) -> Step {
+        for _ in 0..BURST {
+            match next(&self.stream) {
+                Next::Closed => {
+                    tracing::info!("frontend disconnected");
+                    return Step::End;
+                }
+                Next::Empty | Next::Partial if hup => {
+                    tracing::info!("frontend disconnected");
+                    return Step::End;
+                }
+                Next::Empty | Next::Partial => return Step::Wait,
+                Next::Short => {
+                    tracing::warn!("closing frontend connection: a message shorter than its header says");
+                    return Step::End;
+                }
+                Next::Whole => {
+                    if unread(&self.stream) > MAX_UNREAD {
+                        tracing::warn!("closing frontend connection: it does not read vhostd's replies");
+                        return Step::End;
+                    }
+                    if !self.one() {
+                        return Step::End;
+                    }
+                }
+            }
         }
-        if too_many_fds(&conn) {
+        Step::More
+    }
+
+    /// Answers one whole message; false: the connection is over.
+    fn one(&mut self) -> bool {
+        let conn = &self.stream;
+        if too_many_fds(conn) {
             // The `vhost` crate would drop them and lose the message's
             // framing (it retries after the header is consumed).
             tracing::warn!("closing frontend connection: a message with more file descriptors than any request takes");
-            break false;
+            return false;
         }
-        match answer_own(&conn, &session) {
-            Ok(true) => continue,
+        match answer_own(conn, &self.session) {
+            Ok(true) => return true,
             Ok(false) => {}
             Err(e) => {
                 tracing::info!("frontend connection ended: {e}");
-                break false;
+                return false;
             }
         }
         // Which request this is (for deciding whether a refusal was answered).
-        let (req, flags) = peek(&conn, &mut [0u8; HEADER]).map(|h| (h.0, h.1)).unwrap_or((0, 0));
-        match handler.handle_request() {
-            Ok(()) => {}
+        let (req, flags) = peek(conn, &mut [0u8; HEADER]).map(|h| (h.0, h.1)).unwrap_or((0, 0));
+        match self.handler.handle_request() {
+            Ok(()) => true,
             Err(VuError::Disconnected) | Err(VuError::PartialMessage) => {
                 tracing::info!("frontend disconnected");
-                break false;
+                false
             }
             Err(e) if is_fatal(&e) => {
                 tracing::warn!("closing frontend connection: {e}");
-                break false;
+                false
             }
-            Err(e) if refusal_unanswered(&e, req, flags, &session) => {
+            Err(e) if refusal_unanswered(&e, req, flags, &self.session) => {
                 // The frontend waits for a reply the `vhost` crate did not
                 // send (a GET_* refused, or a check failed before the ack):
                 // closing is the only answer left that does not hang it.
                 tracing::warn!("closing frontend connection: request {req} refused without a reply: {e}");
-                break false;
+                false
             }
             Err(e) => {
                 // Refused requests are the frontend's doing: rate-limit the log.
-                refused += 1;
-                if refused <= 10 || refused.is_power_of_two() {
-                    tracing::warn!(count = refused, "request failed: {e}");
+                self.refused += 1;
+                if self.refused <= 10 || self.refused.is_power_of_two() {
+                    tracing::warn!(count = self.refused, "request failed: {e}");
                 }
+                true
             }
         }
-    };
-    if let Ok(mut s) = session.lock() {
-        s.reset();
     }
+
+    /// Ends the connection: every ring stopped, the memory table dropped.
+    pub fn finish(self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Ok(mut s) = self.session.lock() {
+            s.reset();
+        }
+    }
+}
+
+/// Bytes this side has sent that the frontend has not read (with the
+/// kernel's per-message overhead).
+fn unread(conn: &UnixStream) -> libc::c_int {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int.
+    if unsafe { libc::ioctl(conn.as_raw_fd(), libc::TIOCOUTQ, &mut n) } != 0 {
+        return 0;
+    }
+    n
+}
+
+/// How much of the next message has arrived. A size past any request's
+/// (the `vhost` crate's limit) counts as whole: the crate refuses it at once.
+fn next(conn: &UnixStream) -> Next {
+    let mut h = [0u8; HEADER];
+    // SAFETY: a valid local buffer; MSG_PEEK consumes nothing.
+    let n = unsafe {
+        libc::recv(conn.as_raw_fd(), h.as_mut_ptr() as *mut libc::c_void, HEADER, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    if n == 0 {
+        return Next::Closed;
+    }
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::WouldBlock { Next::Empty } else { Next::Closed };
+    }
+    if (n as usize) < HEADER {
+        return Next::Partial;
+    }
+    let size = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if size > vhost::vhost_user::message::MAX_MSG_SIZE {
+        return Next::Whole;
+    }
+    let mut avail: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int, the bytes waiting in the socket.
+    if unsafe { libc::ioctl(conn.as_raw_fd(), libc::FIONREAD, &mut avail) } != 0 {
+        return Next::Closed;
+    }
+    match avail as usize {
+        n if n >= HEADER + size => Next::Whole,
+        n if n > HEADER => Next::Short,
+        _ => Next::Partial,
+    }
+}
+
+/// Whether the frontend shut its end of the socket (a poll, no waiting).
+pub fn hung_up(conn: &UnixStream) -> bool {
+    let mut p = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Serves one connection until it ends (blocking; for fuzz targets and
+/// in-process tests). Returns true if `stop` (a descriptor) became readable.
+pub fn serve(conn: UnixStream, dev: &Arc<Served>, stop: RawFd) -> io::Result<bool> {
+    let mut c = Conn::new(conn, dev)?;
+    let stopped = loop {
+        if wait_readable(&[c.stream.as_raw_fd(), stop])? == 1 {
+            break true;
+        }
+        match c.serve_ready(hung_up(&c.stream)) {
+            Step::End => break false,
+            // Only part of a message: sleep a little for the rest
+            // (readability holds while any byte waits).
+            Step::Wait => std::thread::sleep(std::time::Duration::from_millis(1)),
+            Step::More => {}
+        }
+    };
+    c.finish();
     Ok(stopped)
 }
 

@@ -3,13 +3,15 @@
 //! configuration parser. Not a stable API.
 //!
 //! From the command line down: `cli` and `config` parse into `spec` (plain
-//! device specs); `build` makes devices, their workers and endpoints from
-//! them; `server` is the main loop, serving each device's `endpoint` on a
-//! thread; `connection` serves one vhost-user connection (the `vhost`
-//! crate's handler and a shim), driving a `session`, which drives the
-//! device (the `vhostd_device::Device` trait) and its rings on the
-//! `worker`s. `registry` lists the devices for `control` (`vhostd stats`)
-//! and `metrics`, which render `snapshot`s.
+//! device specs); `build` makes devices and endpoints from them and places
+//! their queue groups on a `pool` of `worker`s (`balance` moves them);
+//! `server` is the main loop and the `Daemon` that adds and removes
+//! devices; `frontends` serves every device's `endpoint` on one thread;
+//! `connection` serves one vhost-user connection (the `vhost` crate's
+//! handler and a shim), driving a `session`, which drives the device (the
+//! `vhostd_device::Device` trait) and its rings on the workers.
+//! `registry` lists the devices for `control` (`vhostd stats`, `vhostd
+//! ctl`) and `metrics`, which render `snapshot`s.
 
 pub mod balance;
 pub mod build;
@@ -18,6 +20,7 @@ pub mod config;
 pub mod connection;
 pub mod control;
 pub mod endpoint;
+pub mod frontends;
 pub mod man;
 pub mod memory;
 pub mod metrics;

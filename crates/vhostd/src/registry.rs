@@ -2,12 +2,8 @@
 //! the metrics endpoint see them: each device's name, endpoint, connection
 //! state and the device itself.
 
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::thread::JoinHandle;
-
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::session::Served;
 
@@ -29,17 +25,9 @@ pub struct DeviceEntry {
     pub connections: AtomicU64,
     /// Why the device stopped serving, if it failed.
     pub failed: Mutex<Option<String>>,
-    /// A handle on the connection being served: shut down at stop, so a
-    /// frontend stalled mid-message (or not reading its replies) cannot
-    /// hold the device thread.
-    conn: Mutex<Option<UnixStream>>,
-    /// Ends the device's thread.
-    pub stop: EventFd,
-    /// The thread serving its endpoint.
-    pub thread: Mutex<Option<JoinHandle<()>>>,
     /// What must live as long as the device (an XDP program's attachment).
     pub hold: Mutex<crate::build::Hold>,
-    /// Its endpoint's thread ended by itself (failed, or --fd closed).
+    /// No longer served (failed, its --fd closed, or removed).
     pub ended: AtomicBool,
 }
 
@@ -60,28 +48,19 @@ impl DeviceEntry {
             connected: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             failed: Mutex::new(None),
-            conn: Mutex::new(None),
-            stop: EventFd::new(EFD_NONBLOCK)?,
-            thread: Mutex::new(None),
             hold: Mutex::new(None),
             ended: AtomicBool::new(false),
         })
     }
 
-    /// A connection is being served (`conn`: a handle to shut it down).
-    pub fn connected(&self, conn: Option<UnixStream>) {
+    /// A connection is being served.
+    pub fn connected(&self) {
         self.connected.store(true, Ordering::Relaxed);
         self.connections.fetch_add(1, Ordering::Relaxed);
-        if let (Ok(mut slot), Some(c)) = (self.conn.lock(), conn) {
-            *slot = Some(c);
-        }
     }
 
     /// The connection ended.
     pub fn disconnected(&self) {
-        if let Ok(mut slot) = self.conn.lock() {
-            *slot = None;
-        }
         self.connected.store(false, Ordering::Relaxed);
     }
 
@@ -95,14 +74,6 @@ impl DeviceEntry {
     /// Why the device failed, if it did.
     pub fn failure(&self) -> Option<String> {
         self.failed.lock().ok().and_then(|f| f.clone())
-    }
-
-    /// Asks the device's thread to end, and cuts its connection.
-    pub fn stop(&self) {
-        let _ = self.stop.write(1);
-        if let Some(c) = self.conn.lock().ok().and_then(|mut c| c.take()) {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
     }
 }
 

@@ -165,6 +165,8 @@ const IOCTLS: &[u64] = &[
     0x4004_54d9, // TUNSETQUEUE
     0x8913,      // SIOCGIFFLAGS
     0x5421,      // FIONBIO
+    0x541b,      // FIONREAD (has a whole vhost-user message arrived)
+    0x5411,      // TIOCOUTQ (replies a frontend left unread)
     0x5451,      // FIOCLEX
     0x5401,      // TCGETS (is stderr a terminal: log colours)
 ];

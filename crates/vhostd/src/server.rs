@@ -5,7 +5,7 @@
 //! removes devices while it runs (`vhostd ctl`, through control.rs).
 
 use std::io::{self, Write};
-use std::os::unix::io::{AsRawFd, RawFd};
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::build;
-use crate::endpoint::{wait_readable, wait_readable_timeout, Endpoint};
+use crate::endpoint::{wait_readable, Endpoint};
 use crate::pool::Pool;
 use crate::registry::{DeviceEntry, Devices};
 use crate::session::Served;
@@ -42,8 +42,10 @@ pub struct Daemon {
     pub devices: Devices,
     /// The shared pool (None: each device runs on workers of its own).
     pub pool: Option<Arc<Pool>>,
-    /// Written (1) by each device thread that ends.
+    /// Written (1) whenever a device ends by itself.
     done: Arc<EventFd>,
+    /// The thread serving every device's frontend.
+    frontends: crate::frontends::Frontends,
     /// Adds and removes go one at a time.
     manage: Mutex<()>,
 }
@@ -55,12 +57,9 @@ impl Daemon {
             Some(p) => Some(Pool::new("pool", p.workers, build::mode(p.wait), p.cpus.as_deref(), true)?),
             None => None,
         };
-        Ok(Daemon {
-            devices: Devices::default(),
-            pool,
-            done: Arc::new(EventFd::new(EFD_NONBLOCK)?),
-            manage: Mutex::new(()),
-        })
+        let done = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+        let frontends = crate::frontends::Frontends::start(done.clone())?;
+        Ok(Daemon { devices: Devices::default(), pool, done, frontends, manage: Mutex::new(()) })
     }
 
     /// Checks `spec` against the devices already there and the pool.
@@ -97,32 +96,14 @@ impl Daemon {
         Ok((entry, endpoint))
     }
 
-    /// Serves an entry's endpoint on a thread of its own.
-    fn start(&self, entry: &Arc<DeviceEntry>, endpoint: Endpoint) -> io::Result<()> {
+    /// Serves an entry's endpoint (on the frontends thread).
+    fn start(&self, entry: &Arc<DeviceEntry>, endpoint: Endpoint) {
         match &endpoint {
             Endpoint::Listen(_, f) => eprintln!("vhostd: listening on {}", f.0.display()),
             Endpoint::Client(p) => eprintln!("vhostd: connecting to {}", p.display()),
             Endpoint::Conn(_) => {}
         }
-        let done = self.done.clone();
-        let e = entry.clone();
-        let t = std::thread::Builder::new().name(format!("vhostd-{}", entry.name)).spawn(move || {
-            let _span = tracing::info_span!("dev", device = %e.name).entered();
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve_endpoint(&e, endpoint)));
-            let failure = match r {
-                Ok(Ok(())) => None,
-                Ok(Err(err)) => Some(err.to_string()),
-                Err(_) => Some("internal error (panic); see the log".to_string()),
-            };
-            if let Some(f) = failure {
-                tracing::error!("device stopped serving: {f}");
-                e.fail(f);
-            }
-            e.ended.store(true, Ordering::Release);
-            let _ = done.write(1);
-        })?;
-        *entry.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
-        Ok(())
+        self.frontends.add(entry.clone(), endpoint);
     }
 
     /// Adds a device while the daemon runs: built, listed and serving, or
@@ -130,10 +111,7 @@ impl Daemon {
     pub fn add(&self, spec: &DeviceSpec) -> io::Result<Arc<DeviceEntry>> {
         let _one = self.manage.lock().unwrap_or_else(|e| e.into_inner());
         let (entry, endpoint) = self.build(spec)?;
-        if let Err(e) = self.start(&entry, endpoint) {
-            self.unlist(&entry.name);
-            return Err(e);
-        }
+        self.start(&entry, endpoint);
         tracing::info!(device = %spec.name, "device added");
         Ok(entry)
     }
@@ -151,14 +129,11 @@ impl Daemon {
         Ok(reports)
     }
 
-    /// Stops a device's thread, takes its groups off the workers and drops
-    /// it (its socket file goes with its endpoint, on that thread).
+    /// Stops serving a device (its connection ends, its socket file goes),
+    /// takes its groups off the workers and drops it.
     fn unlist(&self, name: &str) -> Vec<WorkerReport> {
         let Some(e) = self.devices.take(name) else { return Vec::new() };
-        e.stop();
-        if let Some(t) = e.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = t.join();
-        }
+        self.frontends.remove(name);
         let reports = e.served.retire();
         drop(e.hold.lock().unwrap_or_else(|e| e.into_inner()).take());
         reports
@@ -230,7 +205,7 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
         crate::metrics::serve(addr, daemon.clone())?;
     }
     for (entry, endpoint) in endpoints {
-        daemon.start(&entry, endpoint)?;
+        daemon.start(&entry, endpoint);
     }
     let managed = globals.control.is_some();
     // Set up: from here on only the system calls serving needs (and, with
@@ -255,14 +230,7 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
     crate::notify::stopping();
     tracing::info!("stopping");
     let entries = daemon.devices.list();
-    for e in &entries {
-        e.stop();
-    }
-    for e in &entries {
-        if let Some(t) = e.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = t.join();
-        }
-    }
+    daemon.frontends.stop();
     print_stats(&daemon, true);
     if let Some(p) = &daemon.pool {
         p.shutdown();
@@ -275,62 +243,6 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
         return Err(io::Error::other(failed.join("; ")));
     }
     Ok(())
-}
-
-/// Serves frontends one after the other (a listening socket) or the one
-/// handed in (--fd) until the device is stopped.
-fn serve_endpoint(e: &DeviceEntry, endpoint: Endpoint) -> io::Result<()> {
-    let stop = e.stop.as_raw_fd();
-    match endpoint {
-        Endpoint::Conn(conn) => {
-            tracing::info!("serving the frontend on {}", e.endpoint);
-            serve_tracked(e, conn, stop).map(|_| ())
-        }
-        Endpoint::Client(path) => loop {
-            let conn = match UnixStream::connect(&path) {
-                Ok(c) => c,
-                Err(err) => {
-                    tracing::debug!("connect to {}: {err}", path.display());
-                    // Retry in a second, unless stopped meanwhile.
-                    if wait_readable_timeout(&[stop], 1000)? == Some(0) {
-                        return Ok(());
-                    }
-                    continue;
-                }
-            };
-            tracing::info!("connected to {}", path.display());
-            if serve_tracked(e, conn, stop)? {
-                return Ok(());
-            }
-        },
-        Endpoint::Listen(listener, _file) => loop {
-            if wait_readable(&[listener.as_raw_fd(), stop])? == 1 {
-                return Ok(());
-            }
-            let (conn, _) = match listener.accept() {
-                Ok(c) => c,
-                Err(err) => {
-                    tracing::warn!("accept failed: {err}");
-                    continue;
-                }
-            };
-            tracing::info!("frontend connected");
-            if serve_tracked(e, conn, stop)? {
-                return Ok(());
-            }
-        },
-    }
-}
-
-/// Serves one connection with the device's bookkeeping: connected,
-/// connections, and a handle on the socket for shutdown at stop.
-fn serve_tracked(e: &DeviceEntry, conn: UnixStream, stop: RawFd) -> io::Result<bool> {
-    e.connected(conn.try_clone().ok());
-    // A stop that came before the handle was in place.
-    let early = wait_readable_timeout(&[stop], 0)? == Some(0);
-    let r = if early { Ok(true) } else { crate::connection::serve(conn, &e.served, stop) };
-    e.disconnected();
-    r
 }
 
 /// Every device's counters on stdout. `last`: stop the workers first (at

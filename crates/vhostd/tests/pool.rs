@@ -19,6 +19,15 @@ use vhostd_user::{Options, VirtioUser};
 const VHOSTD: &str = env!("CARGO_BIN_EXE_vhostd");
 const T: Duration = Duration::from_secs(10);
 
+/// The tests here run one at a time: the balancer's needs real load on
+/// the workers, and the idle one measures CPU time; on two CPUs, tests
+/// running beside them would starve or disturb them.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A pool daemon in a directory of its own; killed and removed on drop.
 struct PoolDaemon {
     child: Option<Child>,
@@ -35,6 +44,8 @@ impl PoolDaemon {
         let ctl = dir.join("ctl");
         let mut child = Command::new(VHOSTD)
             .args(["--control", ctl.to_str().unwrap(), "--seccomp", "trap"])
+            // The balancer's samples, for a failure's message.
+            .env("VHOSTD_LOG", "info,vhostd::balance=debug")
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -167,6 +178,7 @@ fn loop_frames(sock: &Path, total: u32, stop: &AtomicBool) -> u32 {
 
 #[test]
 fn devices_come_and_go_at_runtime_while_others_carry_traffic() {
+    let _one = serial();
     let d = PoolDaemon::start(&["--workers", "2", "--rebalance-interval", "0"]);
     // The pool's threads are there before any device.
     let workers = |d: &PoolDaemon| d.threads().iter().filter(|t| t.starts_with("vhostd-w")).count();
@@ -254,6 +266,7 @@ fn devices_come_and_go_at_runtime_while_others_carry_traffic() {
 
 #[test]
 fn ctl_errors_name_the_key_and_leave_nothing() {
+    let _one = serial();
     let d = PoolDaemon::start(&["--workers", "2"]);
     d.add_net("n1", &["--backend", "sink"]);
     let other = d.path("x.sock");
@@ -293,6 +306,7 @@ fn ctl_errors_name_the_key_and_leave_nothing() {
 
 #[test]
 fn the_balancer_moves_a_queue_off_a_loaded_worker() {
+    let _one = serial();
     let d = PoolDaemon::start(&["--workers", "2", "--rebalance-interval", "1"]);
     // Sources: vhostd writes every frame (1500 bytes) into the guest's
     // buffers, so each queue costs its worker a good part of a CPU.
@@ -335,4 +349,78 @@ fn the_balancer_moves_a_queue_off_a_loaded_worker() {
     let l = d.list();
     let s1 = l["devices"].as_array().unwrap().iter().find(|x| x["name"] == "s1").unwrap().clone();
     assert_eq!(s1["queues"][0]["pinned"], true);
+}
+
+/// The daemon's user and system CPU time, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let f: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime), counted from the state (field 3).
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn eighty_connected_idle_devices_take_under_one_percent_of_a_cpu() {
+    let _one = serial();
+    let d = PoolDaemon::start(&["--workers", "2", "--rebalance-interval", "0"]);
+    let mut socks = vec![(true, d.add_net("n0", &["--backend", "sink"]))];
+    // One device served: main, the frontends and control threads, 2 workers.
+    let (threads0, rss0) = (d.threads().len(), rss_kib(d.pid()));
+    assert_eq!(threads0, 5, "{:?}", d.threads());
+    for i in 1..64 {
+        socks.push((true, d.add_net(&format!("n{i}"), &["--backend", "sink"])));
+    }
+    for i in 0..16 {
+        let sock = d.path(&format!("b{i}.sock"));
+        d.ok(&[
+            "add",
+            "blk",
+            "--name",
+            &format!("b{i}"),
+            "--socket-path",
+            sock.to_str().unwrap(),
+            "--backend",
+            "null,size=1M",
+        ]);
+        socks.push((false, sock));
+    }
+    // Every device with a frontend and running rings, and no traffic.
+    let mut frontends = Vec::new();
+    for (net, sock) in &socks {
+        let mut opts = if *net { Options::new(sock) } else { Options::blk(sock) };
+        opts.mem_size = 4 << 20;
+        let mut dev = VirtioUser::connect(opts).expect("connect");
+        if *net {
+            let pair = dev.net_queue_pair(0, 64).unwrap();
+            frontends.push((dev, Some(pair), None));
+        } else {
+            let q = dev.blk_queue(0, 16, 4096).unwrap();
+            frontends.push((dev, None, Some(q)));
+        }
+    }
+    let l = d.list();
+    let connected = l["devices"].as_array().unwrap().iter().filter(|x| x["connected"] == true).count();
+    assert_eq!(connected, 80, "{l}");
+    // Adaptive workers spin 100 us after the last work, then sleep.
+    std::thread::sleep(Duration::from_millis(500));
+    let (t0, c0) = (std::time::Instant::now(), cpu_ticks(d.pid()));
+    std::thread::sleep(Duration::from_secs(3));
+    let ticks = cpu_ticks(d.pid()) - c0;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let pct = ticks as f64 / hz / t0.elapsed().as_secs_f64() * 100.0;
+    let (threads, rss) = (d.threads().len(), rss_kib(d.pid()));
+    eprintln!(
+        "80 connected idle devices: {pct:.2} % of a CPU; {threads} threads; RSS {rss0} KiB -> {rss} KiB, {} KiB per device",
+        rss.saturating_sub(rss0) / 79
+    );
+    assert!(pct < 1.0, "80 idle devices took {pct:.2} % of a CPU");
+    assert_eq!(threads, threads0, "threads grew with devices: {:?}", d.threads());
+    drop(frontends);
 }

@@ -1,0 +1,375 @@
+//! The one thread that serves every device's frontend: it listens on each
+//! device's socket (or connects, or holds the socket handed in), and
+//! answers each connection's vhost-user messages as they arrive, whole.
+//! A host daemon's thread count is then its workers plus a few, whatever
+//! the number of devices.
+//!
+//! One frontend at a time per device, as before: while a device has a
+//! connection its listening socket is left out of the epoll set (the next
+//! frontend waits in the backlog). A frontend that stops mid-message holds
+//! only its own connection (`connection::Conn` answers whole messages
+//! only); one that floods its socket is answered a burst at a time, in
+//! turn with the others; one that never reads its replies is dropped after
+//! a second (the socket's send timeout). A panic while serving a device
+//! marks that device failed and drops it; the others go on.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::connection::{Conn, Step};
+use crate::endpoint::Endpoint;
+use crate::registry::DeviceEntry;
+
+/// How long a `--client` device waits between attempts to connect.
+const RETRY: Duration = Duration::from_secs(1);
+
+enum Cmd {
+    /// Serve a device's endpoint.
+    Add(Arc<DeviceEntry>, Endpoint),
+    /// Stop serving a device (its connection ended, its socket file
+    /// removed); answered once done.
+    Remove(String, Sender<()>),
+    /// Stop serving every device and end the thread; answered once done.
+    Stop(Sender<()>),
+}
+
+/// The handle on the thread.
+pub struct Frontends {
+    tx: Mutex<Sender<Cmd>>,
+    wake: EventFd,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Frontends {
+    /// Starts the thread; `done` is written (1) whenever a device ends by
+    /// itself (its --fd connection closed, or it failed).
+    pub fn start(done: Arc<EventFd>) -> io::Result<Frontends> {
+        let (tx, rx) = channel();
+        let wake = EventFd::new(EFD_NONBLOCK)?;
+        let lp =
+            Loop { epoll: Epoll::new()?, wake: wake.try_clone()?, rx, done, devs: Vec::new(), ready: VecDeque::new() };
+        lp.epoll.ctl(ControlOperation::Add, lp.wake.as_raw_fd(), EpollEvent::new(EventSet::IN, WAKE))?;
+        let thread = std::thread::Builder::new().name("vhostd-frontends".into()).spawn(move || lp.run())?;
+        Ok(Frontends { tx: Mutex::new(tx), wake, thread: Mutex::new(Some(thread)) })
+    }
+
+    fn send(&self, cmd: Cmd) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(cmd);
+        }
+        let _ = self.wake.write(1);
+    }
+
+    /// Starts serving a device.
+    pub fn add(&self, entry: Arc<DeviceEntry>, endpoint: Endpoint) {
+        self.send(Cmd::Add(entry, endpoint));
+    }
+
+    /// Stops serving device `name` and waits until it is done.
+    pub fn remove(&self, name: &str) {
+        let (reply, rx) = channel();
+        self.send(Cmd::Remove(name.to_string(), reply));
+        let _ = rx.recv();
+    }
+
+    /// Stops serving every device and ends the thread.
+    pub fn stop(&self) {
+        let (reply, rx) = channel();
+        self.send(Cmd::Stop(reply));
+        let _ = rx.recv();
+        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
+        }
+    }
+}
+
+const WAKE: u64 = u64::MAX;
+/// Tokens: a device's slot, shifted, and which of its descriptors.
+const LISTENER: u64 = 0;
+const CONNECTION: u64 = 1;
+
+fn token(slot: usize, kind: u64) -> u64 {
+    ((slot as u64) << 1) | kind
+}
+
+/// A device being served.
+struct Dev {
+    entry: Arc<DeviceEntry>,
+    endpoint: Endpoint,
+    conn: Option<Conn>,
+    /// A --client device's next attempt to connect.
+    retry_at: Option<Instant>,
+}
+
+struct Loop {
+    epoll: Epoll,
+    wake: EventFd,
+    rx: Receiver<Cmd>,
+    done: Arc<EventFd>,
+    devs: Vec<Option<Dev>>,
+    /// Connections with whole messages possibly waiting (a burst was cut).
+    ready: VecDeque<usize>,
+}
+
+impl Loop {
+    fn run(mut self) {
+        let mut events = vec![EpollEvent::default(); 64];
+        loop {
+            let timeout = if !self.ready.is_empty() { 0 } else { self.next_retry_ms() };
+            let n = match self.epoll.wait(timeout, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+                Err(e) => {
+                    tracing::error!("serving frontends: epoll: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    0
+                }
+            };
+            for ev in &events[..n] {
+                let t = ev.data();
+                if t == WAKE {
+                    let _ = self.wake.read();
+                    if self.commands() {
+                        return;
+                    }
+                    continue;
+                }
+                let slot = (t >> 1) as usize;
+                if t & 1 == LISTENER {
+                    self.accept(slot);
+                } else {
+                    let hup = ev.event_set().intersects(EventSet::HANG_UP | EventSet::READ_HANG_UP | EventSet::ERROR);
+                    self.serve(slot, hup);
+                }
+            }
+            // Bursts cut short get their turn after everyone else's.
+            for _ in 0..self.ready.len() {
+                if let Some(slot) = self.ready.pop_front() {
+                    self.serve(slot, false);
+                }
+            }
+            self.retry_clients();
+        }
+    }
+
+    /// Handles queued commands; true when the thread is to end.
+    fn commands(&mut self) -> bool {
+        while let Ok(cmd) = self.rx.try_recv() {
+            match cmd {
+                Cmd::Add(entry, endpoint) => self.add(entry, endpoint),
+                Cmd::Remove(name, reply) => {
+                    if let Some(slot) = self.devs.iter().position(|d| d.as_ref().is_some_and(|d| d.entry.name == name))
+                    {
+                        self.drop_dev(slot);
+                    }
+                    let _ = reply.send(());
+                }
+                Cmd::Stop(reply) => {
+                    for slot in 0..self.devs.len() {
+                        self.drop_dev(slot);
+                    }
+                    let _ = reply.send(());
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    fn add(&mut self, entry: Arc<DeviceEntry>, endpoint: Endpoint) {
+        let slot = self.devs.iter().position(Option::is_none).unwrap_or_else(|| {
+            self.devs.push(None);
+            self.devs.len() - 1
+        });
+        let dev = Dev { entry, endpoint, conn: None, retry_at: None };
+        let handed = match &dev.endpoint {
+            Endpoint::Conn(s) => s.try_clone().ok(),
+            _ => None,
+        };
+        let client = matches!(dev.endpoint, Endpoint::Client(_));
+        self.devs[slot] = Some(dev);
+        match handed {
+            Some(stream) => {
+                let _span = self.span(slot);
+                tracing::info!(
+                    "serving the frontend on {}",
+                    self.devs[slot].as_ref().map_or("", |d| &d.entry.endpoint)
+                );
+                self.connected(slot, stream);
+            }
+            None if client => self.connect(slot),
+            None => self.listen(slot, true),
+        }
+    }
+
+    fn span(&self, slot: usize) -> tracing::span::EnteredSpan {
+        let name = self.devs.get(slot).and_then(|d| d.as_ref()).map(|d| d.entry.name.clone()).unwrap_or_default();
+        tracing::info_span!("dev", device = %name).entered()
+    }
+
+    /// Puts a device's listening socket in the epoll set (`on`) or takes it out.
+    fn listen(&mut self, slot: usize, on: bool) {
+        let Some(Some(d)) = self.devs.get(slot) else { return };
+        if let Endpoint::Listen(l, _) = &d.endpoint {
+            let (op, ev) = if on {
+                (ControlOperation::Add, EpollEvent::new(EventSet::IN, token(slot, LISTENER)))
+            } else {
+                (ControlOperation::Delete, EpollEvent::default())
+            };
+            let _ = self.epoll.ctl(op, l.as_raw_fd(), ev);
+        }
+    }
+
+    fn accept(&mut self, slot: usize) {
+        let _span = self.span(slot);
+        let Some(Some(d)) = self.devs.get(slot) else { return };
+        let Endpoint::Listen(l, _) = &d.endpoint else { return };
+        match l.accept() {
+            Ok((stream, _)) => {
+                tracing::info!("frontend connected");
+                self.listen(slot, false);
+                self.connected(slot, stream);
+            }
+            Err(e) => tracing::warn!("accept failed: {e}"),
+        }
+    }
+
+    /// A --client device tries to connect now.
+    fn connect(&mut self, slot: usize) {
+        let _span = self.span(slot);
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
+        let Endpoint::Client(path) = &d.endpoint else { return };
+        match UnixStream::connect(path) {
+            Ok(stream) => {
+                tracing::info!("connected to {}", path.display());
+                d.retry_at = None;
+                self.connected(slot, stream);
+            }
+            Err(e) => {
+                tracing::debug!("connect to {}: {e}", path.display());
+                d.retry_at = Some(Instant::now() + RETRY);
+            }
+        }
+    }
+
+    /// Until the next --client attempt, in ms (-1: none).
+    fn next_retry_ms(&self) -> i32 {
+        let now = Instant::now();
+        self.devs
+            .iter()
+            .flatten()
+            .filter_map(|d| d.retry_at)
+            .map(|t| t.saturating_duration_since(now).as_millis().min(i32::MAX as u128) as i32 + 1)
+            .min()
+            .unwrap_or(-1)
+    }
+
+    /// --client devices due to try again connect.
+    fn retry_clients(&mut self) {
+        let now = Instant::now();
+        let due: Vec<usize> = (0..self.devs.len())
+            .filter(|&s| self.devs[s].as_ref().is_some_and(|d| d.retry_at.is_some_and(|t| t <= now)))
+            .collect();
+        for slot in due {
+            self.connect(slot);
+        }
+    }
+
+    /// A frontend is connected to device `slot`: its messages are served.
+    fn connected(&mut self, slot: usize, stream: UnixStream) {
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
+        let conn = match Conn::new(stream, &d.entry.served) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("cannot serve the connection: {e}");
+                self.ended(slot);
+                return;
+            }
+        };
+        d.entry.connected();
+        let fd = conn.stream().as_raw_fd();
+        d.conn = Some(conn);
+        let ev = EventSet::IN | EventSet::READ_HANG_UP | EventSet::EDGE_TRIGGERED;
+        let _ = self.epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(ev, token(slot, CONNECTION)));
+        // Messages may have arrived before the socket joined the set.
+        self.serve(slot, false);
+    }
+
+    /// Answers what device `slot`'s frontend sent.
+    fn serve(&mut self, slot: usize, hup: bool) {
+        let _span = self.span(slot);
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
+        let Some(conn) = d.conn.as_mut() else { return };
+        let hup = hup || crate::connection::hung_up(conn.stream());
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup)));
+        let entry = d.entry.clone();
+        match step {
+            Ok(Step::Wait) => {}
+            Ok(Step::More) => {
+                if !self.ready.contains(&slot) {
+                    self.ready.push_back(slot);
+                }
+            }
+            Ok(Step::End) => self.ended(slot),
+            Err(_) => {
+                tracing::error!("device stopped serving: internal error (panic); see the log");
+                entry.fail("internal error (panic); see the log".into());
+                self.drop_dev(slot);
+                self.device_ended_by_itself(slot);
+            }
+        }
+    }
+
+    /// Device `slot`'s connection ended: its rings stop; it waits for the
+    /// next frontend (listening), connects again (--client), or ends (--fd).
+    fn ended(&mut self, slot: usize) {
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
+        if let Some(c) = d.conn.take() {
+            let _ = self.epoll.ctl(ControlOperation::Delete, c.stream().as_raw_fd(), EpollEvent::default());
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.finish())).is_err() {
+                d.entry.fail("internal error (panic) ending a connection; see the log".into());
+            }
+        }
+        d.entry.disconnected();
+        let (listen, client) = (matches!(d.endpoint, Endpoint::Listen(..)), matches!(d.endpoint, Endpoint::Client(_)));
+        if listen {
+            self.listen(slot, true);
+        } else if client {
+            self.connect(slot);
+        } else {
+            self.drop_dev(slot);
+            self.device_ended_by_itself(slot);
+        }
+    }
+
+    /// Marks the device that was in `slot` ended and tells the main loop.
+    fn device_ended_by_itself(&mut self, _slot: usize) {
+        let _ = self.done.write(1);
+    }
+
+    /// Stops serving device `slot`: its connection ends (rings stopped),
+    /// its endpoint goes (the socket file is removed).
+    fn drop_dev(&mut self, slot: usize) {
+        let Some(mut d) = self.devs.get_mut(slot).and_then(Option::take) else { return };
+        self.ready.retain(|&s| s != slot);
+        if let Some(c) = d.conn.take() {
+            let _ = self.epoll.ctl(ControlOperation::Delete, c.stream().as_raw_fd(), EpollEvent::default());
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.finish()));
+        }
+        if let Endpoint::Listen(l, _) = &d.endpoint {
+            let _ = self.epoll.ctl(ControlOperation::Delete, l.as_raw_fd(), EpollEvent::default());
+        }
+        d.entry.disconnected();
+        d.entry.ended.store(true, Ordering::Release);
+    }
+}
