@@ -113,6 +113,9 @@ enum Mode {
     Rxonly,
     /// Send every received frame back.
     Echo,
+    /// Send frames as in txonly and count frames received as in rxonly,
+    /// on every pair (a loopback backend makes each frame a round trip).
+    Txrx,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -129,9 +132,11 @@ impl Switch {
 
 #[derive(clap::Args)]
 struct NetArgs {
-    /// The backend's vhost-user socket.
-    #[arg(long)]
-    socket_path: PathBuf,
+    /// The backend's vhost-user socket. Repeated: one device per socket,
+    /// all driven by this one thread (their queue pairs taken in turn),
+    /// and the counts are their sums.
+    #[arg(long, required = true)]
+    socket_path: Vec<PathBuf>,
     /// What to do with the queues.
     #[arg(long, value_enum)]
     mode: Mode,
@@ -273,8 +278,8 @@ fn connect_retry(opts: Options, timeout: f64) -> Result<VirtioUser, String> {
     }
 }
 
-fn connect(a: &NetArgs) -> Result<VirtioUser, String> {
-    let mut opts = Options::new(&a.socket_path);
+fn connect(a: &NetArgs, path: &std::path::Path) -> Result<VirtioUser, String> {
+    let mut opts = Options::new(path);
     opts.mem_size = a.mem_mb << 20;
     opts.features = features::VERSION_1 | features::NET_MAC | features::NET_STATUS;
     if a.mrg_rxbuf.on() {
@@ -303,12 +308,16 @@ struct Totals {
     kicks: u64,
 }
 
-fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
-    let mut dev = connect(a)?;
+/// One device connected: the frontend, its queue pairs, its dirty log.
+type SetUp = (VirtioUser, Vec<(RxQueue, TxQueue)>, Option<DirtyLog>);
+
+/// Connects to one device and sets up its queue pairs (and its dirty log).
+fn set_up(a: &NetArgs, path: &std::path::Path) -> Result<SetUp, String> {
+    let mut dev = connect(a, path)?;
     let f = dev.features();
     eprintln!(
         "vhostd-user: connected to {}: features {:#x} (offered {:#x}), protocol {:#x}, max queues {}, hdr {} bytes",
-        a.socket_path.display(),
+        path.display(),
         f,
         dev.offered_features(),
         dev.protocol_features().bits(),
@@ -344,15 +353,27 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     };
     let src = dev.net_config().map(|c| c.mac).unwrap_or([0x02, 0, 0, 0, 0, 0x01]);
     let frame = build_udp_frame(a.pkt_size as usize, src, [0x02, 0, 0, 0, 0, 0x02]);
-    if a.mode == Mode::Txonly {
+    if matches!(a.mode, Mode::Txonly | Mode::Txrx) {
         for (_, tx) in pairs.iter_mut() {
             tx.set_template(&frame).map_err(|e| e.to_string())?;
         }
     }
+    Ok((dev, pairs, _log))
+}
+
+fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
+    let mut devs = Vec::with_capacity(a.socket_path.len());
+    let mut pairs: Vec<(RxQueue, TxQueue)> = Vec::new();
+    let mut _logs = Vec::new();
+    for path in &a.socket_path {
+        let (dev, p, log) = set_up(a, path)?;
+        devs.push(dev);
+        pairs.extend(p);
+        _logs.push(log);
+    }
     if let Some(cpu) = a.cpu {
         pin_to(cpu)?;
     }
-
     let burst = a.burst as usize;
     let count = a.count.unwrap_or(u64::MAX);
     let start = Instant::now();
@@ -370,13 +391,16 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     'outer: loop {
         for (rx, tx) in pairs.iter_mut() {
             let r = match a.mode {
-                Mode::Txonly => (|| {
+                Mode::Txonly | Mode::Txrx => (|| {
                     tx.reclaim()?;
-                    let want = (burst as u64).min(count - posted) as usize;
+                    let want = (burst as u64).min(count.saturating_sub(posted)) as usize;
                     let n = tx.send_template(want)?;
                     posted += n as u64;
                     if n > 0 {
                         tx.flush()?;
+                    }
+                    if a.mode == Mode::Txrx && rx.recv_burst(burst, |_| {})? > 0 {
+                        saw_rx = true;
                     }
                     Ok::<(), vhostd_user::Error>(())
                 })(),
@@ -427,7 +451,7 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
                 break;
             }
             if iter.is_multiple_of(65536) {
-                if dev.backend_gone() {
+                if devs.iter().any(|d| d.backend_gone()) {
                     failure = Some("backend closed the connection".into());
                     break;
                 }
@@ -483,13 +507,15 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
         t.tx.add(&tx.stats);
         t.kicks += rx.queue.kicks_sent + tx.queue.kicks_sent;
     }
-    if failure.is_none() && !dev.backend_gone() {
-        match dev.disconnect() {
-            Ok(bases) => {
-                let s: Vec<String> = bases.iter().map(|(q, b)| format!("{q}:{b}")).collect();
-                eprintln!("vhostd-user: vring bases {}", s.join(" "));
+    for dev in devs {
+        if failure.is_none() && !dev.backend_gone() {
+            match dev.disconnect() {
+                Ok(bases) => {
+                    let s: Vec<String> = bases.iter().map(|(q, b)| format!("{q}:{b}")).collect();
+                    eprintln!("vhostd-user: vring bases {}", s.join(" "));
+                }
+                Err(e) => eprintln!("vhostd-user: warning: disconnect: {e}"),
             }
-            Err(e) => eprintln!("vhostd-user: warning: disconnect: {e}"),
         }
     }
     Ok((t, seconds, failure))

@@ -229,13 +229,16 @@ pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
             argv.push(w.clone());
         }
     }
-    let parsed = Cli::try_parse_args(&argv).map_err(|e| match e.kind() {
+    let mut parsed = Cli::try_parse_args(&argv).map_err(|e| match e.kind() {
         clap::error::ErrorKind::DisplayHelp => e.render().to_string(),
         _ => format!("vhostd ctl add {kind}: {}", crate::config::clap_message(&e)),
     })?;
-    let args = match parsed.command {
-        Some(Command::Net(a)) => DeviceArgs::Net(a),
-        Some(Command::Blk(a)) => DeviceArgs::Blk(a),
+    let args = match &parsed.command {
+        Some(Command::Net(_)) | Some(Command::Blk(_)) => match parsed.command.take() {
+            Some(Command::Net(a)) => DeviceArgs::Net(a),
+            Some(Command::Blk(a)) => DeviceArgs::Blk(a),
+            _ => unreachable!("matched above"),
+        },
         _ => return Err(format!("DEVICE '{kind}': expected net or blk")),
     };
     let name = name.ok_or("--name: required (the device's name in `vhostd ctl list`, stats and metrics)")?;
@@ -244,6 +247,38 @@ pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
     }
     if args.fd().is_some() {
         return Err("--fd: a device added at runtime listens on (or connects to) a --socket-path".into());
+    }
+    // Descriptor numbers would name the daemon's own descriptors: nothing
+    // can be handed over the control socket.
+    if let DeviceArgs::Net(n) = &args {
+        match &n.backend {
+            BackendArg::Tap(t) if !t.fds.is_empty() => {
+                return Err(
+                    "--backend tap,fd=...: descriptors cannot be handed to a running daemon; give ifname=".into()
+                )
+            }
+            BackendArg::AfXdp(x) if !x.sock_fds.is_empty() || x.xsks_map_fd.is_some() => {
+                return Err("--backend af-xdp,sock-fds=/xsks-map-fd=...: descriptors cannot be handed to a running \
+                            daemon; give map-path= or let vhostd set up the interface"
+                    .into())
+            }
+            _ => {}
+        }
+    }
+    let daemon_option = [
+        (parsed.config.is_some(), "--config"),
+        (parsed.control.is_some(), "--control"),
+        (parsed.metrics.is_some(), "--metrics"),
+        (parsed.log_format.is_some(), "--log-format"),
+        (parsed.seccomp.is_some(), "--seccomp"),
+        (parsed.workers.is_some(), "--workers"),
+        (parsed.worker_cpus.is_some(), "--worker-cpus"),
+        (parsed.worker_mode.is_some(), "--worker-mode"),
+        (parsed.worker_idle_us.is_some(), "--worker-idle-us"),
+        (parsed.rebalance_interval.is_some(), "--rebalance-interval"),
+    ];
+    if let Some((_, opt)) = daemon_option.iter().find(|(given, _)| *given) {
+        return Err(format!("{opt}: an option of the daemon, not of a device"));
     }
     if matches!(&args, DeviceArgs::Net(a) if a.print_capabilities)
         || matches!(&args, DeviceArgs::Blk(a) if a.print_capabilities)
@@ -860,6 +895,10 @@ pub fn parse_cpus(s: &str) -> Result<CpuList, String> {
         };
         if a > b {
             return Err(bad());
+        }
+        // Checked before the range is made: a huge one must not exhaust memory.
+        if b >= libc::CPU_SETSIZE as usize {
+            return Err(format!("CPU {b} is not available to this process (available: {:?})", online_cpus()));
         }
         cpus.extend(a..=b);
     }

@@ -208,9 +208,9 @@ impl Conn {
     /// Ends the connection: every ring stopped, the memory table dropped.
     pub fn finish(self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        if let Ok(mut s) = self.session.lock() {
-            s.reset();
-        }
+        // Also after a panic in the session (a poisoned lock): its rings
+        // must stop, whatever state it was left in.
+        self.session.lock().unwrap_or_else(|e| e.into_inner()).reset();
     }
 }
 

@@ -38,8 +38,11 @@ pub fn serve(path: &Path, entries: Registry) -> io::Result<SocketFile> {
     std::thread::Builder::new().name("vhostd-control".into()).spawn(move || {
         for conn in listener.incoming() {
             let Ok(conn) = conn else { continue };
-            if let Err(e) = answer(conn, &entries) {
-                tracing::debug!("control connection: {e}");
+            // A bug reached by one request must not end the control socket.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(conn, &entries))) {
+                Ok(Err(e)) => tracing::debug!("control connection: {e}"),
+                Ok(Ok(())) => {}
+                Err(_) => tracing::error!("control request: internal error (panic); see the log"),
             }
         }
     })?;

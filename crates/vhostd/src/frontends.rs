@@ -9,9 +9,11 @@
 //! frontend waits in the backlog). A frontend that stops mid-message holds
 //! only its own connection (`connection::Conn` answers whole messages
 //! only); one that floods its socket is answered a burst at a time, in
-//! turn with the others; one that never reads its replies is dropped after
-//! a second (the socket's send timeout). A panic while serving a device
-//! marks that device failed and drops it; the others go on.
+//! turn with the others; one that leaves its replies unread is dropped
+//! before a reply could block. Listening sockets are non-blocking, and
+//! `--client` connects without waiting on a full backlog: nothing here
+//! waits on one frontend. A panic while serving a device marks that device
+//! failed and drops it; the others go on.
 
 use std::collections::VecDeque;
 use std::io;
@@ -100,6 +102,39 @@ const CONNECTION: u64 = 1;
 
 fn token(slot: usize, kind: u64) -> u64 {
     ((slot as u64) << 1) | kind
+}
+
+/// Connects to a listening frontend without waiting: a peer whose backlog
+/// is full (EAGAIN) is tried again later, like one not listening yet.
+fn connect_now(path: &std::path::Path) -> io::Result<UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain data; all zeroes is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long"));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: socket(2) with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a socket we just made and now own.
+    let stream = unsafe { <UnixStream as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len();
+    // SAFETY: addr is a valid sockaddr_un of at least `len` bytes.
+    let r = unsafe {
+        libc::connect(fd, &addr as *const libc::sockaddr_un as *const libc::sockaddr, len as libc::socklen_t)
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    stream.set_nonblocking(false)?;
+    Ok(stream)
 }
 
 /// A device being served.
@@ -208,7 +243,12 @@ impl Loop {
                 self.connected(slot, stream);
             }
             None if client => self.connect(slot),
-            None => self.listen(slot, true),
+            None => {
+                if let Some(Some(Dev { endpoint: Endpoint::Listen(l, _), .. })) = self.devs.get(slot) {
+                    let _ = l.set_nonblocking(true);
+                }
+                self.listen(slot, true)
+            }
         }
     }
 
@@ -237,9 +277,13 @@ impl Loop {
         match l.accept() {
             Ok((stream, _)) => {
                 tracing::info!("frontend connected");
+                let _ = stream.set_nonblocking(false);
                 self.listen(slot, false);
                 self.connected(slot, stream);
             }
+            // The frontend left the backlog already (or an event of a
+            // device since removed).
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => tracing::warn!("accept failed: {e}"),
         }
     }
@@ -249,7 +293,7 @@ impl Loop {
         let _span = self.span(slot);
         let Some(Some(d)) = self.devs.get_mut(slot) else { return };
         let Endpoint::Client(path) = &d.endpoint else { return };
-        match UnixStream::connect(path) {
+        match connect_now(path) {
             Ok(stream) => {
                 tracing::info!("connected to {}", path.display());
                 d.retry_at = None;
@@ -345,7 +389,9 @@ impl Loop {
         if listen {
             self.listen(slot, true);
         } else if client {
-            self.connect(slot);
+            // Again at once, from the loop (not from here: a peer that
+            // closes every connection must not recurse).
+            d.retry_at = Some(Instant::now());
         } else {
             self.drop_dev(slot);
             self.device_ended_by_itself(slot);

@@ -197,15 +197,16 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
             }
         }
     }
+    for (entry, endpoint) in endpoints {
+        daemon.start(&entry, endpoint);
+    }
+    // Only now: a `vhostd ctl remove` must find every device served.
     let _control = match &globals.control {
         Some(p) => Some(crate::control::serve(p, daemon.clone())?),
         None => None,
     };
     if let Some(addr) = globals.metrics {
         crate::metrics::serve(addr, daemon.clone())?;
-    }
-    for (entry, endpoint) in endpoints {
-        daemon.start(&entry, endpoint);
     }
     let managed = globals.control.is_some();
     // Set up: from here on only the system calls serving needs (and, with

@@ -146,7 +146,11 @@ impl Served {
         let mut reports = self.reports();
         let places = self.lock_places();
         for (g, p) in places.iter().enumerate() {
-            drop(self.pool.workers[p.worker].take(self.key(g)));
+            // Its session reset the rings; after a panic in the session
+            // some may still run: they stop (drained) before the group goes.
+            if let Some(unit) = self.pool.workers[p.worker].take(self.key(g)) {
+                unit.stop_rings();
+            }
             self.pool.moved(p.worker, None);
         }
         if !self.pool.shared {

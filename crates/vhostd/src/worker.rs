@@ -266,6 +266,20 @@ pub struct Unit {
     armed: bool,
 }
 
+impl Unit {
+    /// Stops the rings still attached (nothing of them in flight after:
+    /// the group drains them), for a unit that is being dropped.
+    pub fn stop_rings(mut self) {
+        for (slot, r) in self.rings.iter_mut().enumerate() {
+            if let Some(mut ring) = r.take() {
+                self.group.detach(slot, &mut ring);
+                let (_queue, mut batch, _call) = ring.into_parts();
+                batch.release();
+            }
+        }
+    }
+}
+
 /// At most one bad-chain warning per ring per this interval.
 const BAD_CHAIN_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 

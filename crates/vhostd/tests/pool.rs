@@ -286,6 +286,30 @@ fn ctl_errors_name_the_key_and_leave_nothing() {
     assert!(e.contains("--name: required"), "{e}");
     let e = d.refused(&["add", "disk", "--name", "n2"]);
     assert!(e.contains("expected net or blk"), "{e}");
+    // Descriptor numbers would name the daemon's own descriptors.
+    let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", x, "--backend", "tap,fd=4"]);
+    assert!(e.contains("tap,fd=") && e.contains("ifname="), "{e}");
+    let e = d.refused(&[
+        "add",
+        "net",
+        "--name",
+        "n2",
+        "--socket-path",
+        x,
+        "--backend",
+        "af-xdp,ifname=lo,inhibit=on,sock-fds=4",
+    ]);
+    assert!(e.contains("sock-fds"), "{e}");
+    let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", x, "--backend", "sink", "--workers", "4"]);
+    assert!(e.contains("--workers: an option of the daemon"), "{e}");
+    // A raw request with a CPU range no machine has: refused, the daemon lives.
+    let raw = serde_json::json!({"command": "add", "args": ["net", "--name", "n2", "--socket-path", x, "--backend", "sink", "--cpus", "0-2000000000000"]});
+    let mut c = std::os::unix::net::UnixStream::connect(d.path("ctl")).unwrap();
+    std::io::Write::write_all(&mut c, format!("{raw}\n").as_bytes()).unwrap();
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut c, &mut answer).unwrap();
+    assert!(answer.contains("\"error\"") && answer.contains("not available"), "{answer}");
+    assert!(d.alive());
     // A backend that cannot be opened: nothing of the device stays.
     let e = d.refused(&["add", "blk", "--name", "b1", "--socket-path", x, "--backend", "file,path=/nonexistent/img"]);
     assert!(e.contains("/nonexistent/img"), "{e}");
