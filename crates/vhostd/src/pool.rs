@@ -11,7 +11,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use crate::worker::{self, Mode, WorkerHandle, WorkerReport};
 
@@ -37,6 +37,10 @@ pub struct Pool {
     /// Busy TSC cycles per second of each worker, as the balancer last
     /// measured them (placement of new groups).
     load: Mutex<Vec<u64>>,
+    /// Held (write) while a group moves between workers and (read) while
+    /// the workers' reports are gathered one by one: a group moving in
+    /// between would be counted twice, or not at all.
+    pub moving: RwLock<()>,
 }
 
 /// Where a group runs.
@@ -77,6 +81,7 @@ impl Pool {
             stop,
             groups: Mutex::new(vec![0; n]),
             load: Mutex::new(vec![0; n]),
+            moving: RwLock::new(()),
         }))
     }
 
@@ -142,6 +147,7 @@ impl Pool {
 
     /// Every worker's counters (all its devices' groups).
     pub fn reports(&self) -> Vec<WorkerReport> {
+        let _still = self.moving.read().unwrap_or_else(|e| e.into_inner());
         self.workers.iter().map(|w| w.report()).collect()
     }
 

@@ -113,6 +113,7 @@ impl Served {
         }
         if p.worker != to {
             let key = self.key(group);
+            let _moving = self.pool.moving.write().unwrap_or_else(|e| e.into_inner());
             let Some(unit) = self.pool.workers[p.worker].take(key) else {
                 return Err(format!("queue {group}: not found on worker {}", p.worker));
             };
