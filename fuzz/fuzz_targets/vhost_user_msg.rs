@@ -25,7 +25,7 @@ use libfuzzer_sys::fuzz_target;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, OnceLock};
-use vhostd::cli::{Cli, Command, DeviceArgs};
+use vhostd::cli::{Cli, DeviceArgs};
 use vhostd::endpoint::Endpoint;
 use vhostd::session::Served;
 use vhostd_fuzz::Reader;
@@ -46,11 +46,7 @@ fn build(kind: &str, extra: &[&str]) -> (Arc<Served>, Endpoint) {
     let mut argv: Vec<String> = vec!["vhostd".into(), kind.into(), "--socket-path".into(), path.display().to_string()];
     argv.extend(extra.iter().map(|s| s.to_string()));
     let cli = Cli::try_parse_args(&argv).expect("device arguments");
-    let args = match cli.command {
-        Some(Command::Net(a)) => DeviceArgs::Net(a),
-        Some(Command::Blk(a)) => DeviceArgs::Blk(a),
-        _ => unreachable!("argv names net or blk"),
-    };
+    let args = DeviceArgs::from_command(cli.command).expect("argv names net or blk");
     let spec = args.to_spec(format!("fuzz-{kind}"));
     let (dev, ep) = vhostd::server::build(&spec).expect("build the device");
     // Nobody connects there: the listening socket needs no name.

@@ -39,12 +39,7 @@ pub fn choose_move(groups: &[GroupLoad], workers: usize, cpu_hz: u64) -> Option<
     if workers < 2 {
         return None;
     }
-    let mut load = vec![0u64; workers];
-    for g in groups {
-        if let Some(l) = load.get_mut(g.worker) {
-            *l += g.load;
-        }
-    }
+    let load = worker_loads(groups, workers);
     let hi = (0..workers).max_by_key(|&w| (load[w], std::cmp::Reverse(w)))?;
     let lo = (0..workers).min_by_key(|&w| (load[w], w))?;
     if load[hi].saturating_sub(load[lo]) <= cpu_hz / 5 {
@@ -58,6 +53,17 @@ pub fn choose_move(groups: &[GroupLoad], workers: usize, cpu_hz: u64) -> Option<
         .filter(|&(_, new_max)| new_max + cpu_hz / 10 <= load[hi])
         .min_by_key(|&(i, new_max)| (new_max, i))
         .map(|(i, _)| (i, lo))
+}
+
+/// Each worker's load: its groups' summed.
+fn worker_loads(groups: &[GroupLoad], workers: usize) -> Vec<u64> {
+    let mut load = vec![0u64; workers];
+    for g in groups {
+        if let Some(l) = load.get_mut(g.worker) {
+            *l += g.load;
+        }
+    }
+    load
 }
 
 /// Runs the balancer of `daemon`'s pool on a thread of its own: a sample a
@@ -110,12 +116,7 @@ fn run(daemon: Weak<Daemon>, every: Duration) {
         }
         last = now;
         smooth = smooth_now;
-        let mut per_worker = vec![0u64; pool.workers.len()];
-        for g in &groups {
-            if let Some(l) = per_worker.get_mut(g.worker) {
-                *l += g.load;
-            }
-        }
+        let per_worker = worker_loads(&groups, pool.workers.len());
         tracing::debug!(
             load = ?per_worker,
             groups = ?groups.iter().map(|g| (g.worker, g.load)).collect::<Vec<_>>(),

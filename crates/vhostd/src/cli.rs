@@ -79,31 +79,35 @@ impl Cli {
 
     /// The shared worker pool these options ask for, if any.
     pub fn pool(&self) -> Option<spec::PoolSpec> {
-        pool_spec(
-            self.workers.map(usize::from),
-            self.worker_cpus.as_ref().map(|c| c.0.clone()),
-            self.worker_mode,
-            self.worker_idle_us,
-            self.rebalance_interval,
-        )
+        let asked = self.workers.is_some()
+            || self.worker_cpus.is_some()
+            || self.worker_mode.is_some()
+            || self.worker_idle_us.is_some()
+            || self.rebalance_interval.is_some();
+        asked.then(|| {
+            pool_spec(
+                self.workers.map(usize::from),
+                self.worker_cpus.as_ref().map(|c| c.0.clone()),
+                self.worker_mode,
+                self.worker_idle_us,
+                self.rebalance_interval,
+            )
+        })
     }
 }
 
-/// The pool asked for by any of its options (None if none is given):
-/// `workers` defaults to one per CPU given, else 1.
+/// The pool these options describe, defaults filled in: `workers` one per
+/// CPU given, else 1; a balancer move at most every 10 s.
 pub fn pool_spec(
     workers: Option<usize>,
     cpus: Option<Vec<usize>>,
     mode: Option<WaitMode>,
     idle_us: Option<u64>,
     rebalance_s: Option<u64>,
-) -> Option<spec::PoolSpec> {
-    if workers.is_none() && cpus.is_none() && mode.is_none() && idle_us.is_none() && rebalance_s.is_none() {
-        return None;
-    }
+) -> spec::PoolSpec {
     let workers = workers.unwrap_or_else(|| cpus.as_ref().map_or(1, |c| c.len().max(1)));
     let rebalance = std::time::Duration::from_secs(rebalance_s.unwrap_or(10));
-    Some(spec::PoolSpec { workers, cpus, wait: wait_spec(mode, idle_us), rebalance })
+    spec::PoolSpec { workers, cpus, wait: wait_spec(mode, idle_us), rebalance }
 }
 
 /// How log lines look.
@@ -233,14 +237,8 @@ pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
         clap::error::ErrorKind::DisplayHelp => e.render().to_string(),
         _ => format!("vhostd ctl add {kind}: {}", crate::config::clap_message(&e)),
     })?;
-    let args = match &parsed.command {
-        Some(Command::Net(_)) | Some(Command::Blk(_)) => match parsed.command.take() {
-            Some(Command::Net(a)) => DeviceArgs::Net(a),
-            Some(Command::Blk(a)) => DeviceArgs::Blk(a),
-            _ => unreachable!("matched above"),
-        },
-        _ => return Err(format!("DEVICE '{kind}': expected net or blk")),
-    };
+    let args = DeviceArgs::from_command(parsed.command.take())
+        .ok_or_else(|| format!("DEVICE '{kind}': expected net or blk"))?;
     let name = name.ok_or("--name: required (the device's name in `vhostd ctl list`, stats and metrics)")?;
     if !crate::config::valid_name(&name) {
         return Err(format!("--name '{name}': expected 1 to 32 letters, digits, '-', '_' or '.'"));
@@ -304,6 +302,15 @@ pub enum DeviceArgs {
 }
 
 impl DeviceArgs {
+    /// The device options a parsed command line holds, if it names a device.
+    pub fn from_command(command: Option<Command>) -> Option<DeviceArgs> {
+        match command {
+            Some(Command::Net(a)) => Some(DeviceArgs::Net(a)),
+            Some(Command::Blk(a)) => Some(DeviceArgs::Blk(a)),
+            _ => None,
+        }
+    }
+
     /// `net` or `blk`.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -194,12 +194,11 @@ fn dataplane(path: &Path, text: &str, table: &Spanned<Table>) -> Result<crate::s
             ("cpus", toml::Value::Integer(n)) => cpus = Some(cli::parse_cpus(&n.to_string()).map_err(|e| here(&e))?.0),
             ("cpus", _) => return Err(here("expected a CPU list like \"2\", \"2,3\" or \"2-5\"")),
             ("mode", toml::Value::String(s)) => {
-                mode = Some(match s.as_str() {
-                    "poll" => cli::WaitMode::Poll,
-                    "interrupt" => cli::WaitMode::Interrupt,
-                    "adaptive" => cli::WaitMode::Adaptive,
-                    _ => return Err(here(&format!("expected \"adaptive\", \"poll\" or \"interrupt\", got \"{s}\""))),
-                })
+                // The values of --worker-mode, parsed as clap parses them.
+                let m = <cli::WaitMode as clap::ValueEnum>::from_str(s, false);
+                mode = Some(
+                    m.map_err(|_| here(&format!("expected \"adaptive\", \"poll\" or \"interrupt\", got \"{s}\"")))?,
+                )
             }
             ("mode", _) => return Err(here("expected \"adaptive\", \"poll\" or \"interrupt\"")),
             ("poll-idle-us", toml::Value::Integer(n)) if (1..=1_000_000).contains(n) => idle = Some(*n as u64),
@@ -210,12 +209,7 @@ fn dataplane(path: &Path, text: &str, table: &Spanned<Table>) -> Result<crate::s
         }
     }
     // An empty [dataplane] still asks for a pool: one worker.
-    Ok(cli::pool_spec(workers, cpus, mode, idle, rebalance).unwrap_or(crate::spec::PoolSpec {
-        workers: 1,
-        cpus: None,
-        wait: cli::wait_spec(None, None),
-        rebalance: std::time::Duration::from_secs(10),
-    }))
+    Ok(cli::pool_spec(workers, cpus, mode, idle, rebalance))
 }
 
 fn line_of(text: &str, offset: usize) -> usize {
@@ -280,11 +274,7 @@ fn device(path: &Path, text: &str, kind: &str, index: usize, table: &Spanned<Tab
         }
     };
     let parsed = cli::Cli::try_parse_args(&argv).map_err(fail)?;
-    let args = match parsed.command {
-        Some(cli::Command::Net(a)) => DeviceArgs::Net(a),
-        Some(cli::Command::Blk(a)) => DeviceArgs::Blk(a),
-        _ => unreachable!("argv names net or blk"),
-    };
+    let args = DeviceArgs::from_command(parsed.command).expect("argv names net or blk");
     args.check().map_err(|e| format!("{file}:{table_line}: [[{kind}]] `{name}`: {e}"))?;
     if args.socket_path().is_none() {
         return Err(format!("{file}:{table_line}: [[{kind}]] `{name}`: key `socket-path` is required"));
@@ -337,6 +327,33 @@ backend = "null,size=1G"
         assert_eq!(c.log_format, Some(LogFormat::Json));
         assert_eq!(c.devices[0].device.name(), "net");
         assert_eq!((c.devices[0].dataplane.queues, c.devices[0].dataplane.wait), (2, crate::spec::WaitSpec::Poll));
+    }
+
+    #[test]
+    fn dataplane_asks_for_a_shared_pool() {
+        let c = parse(
+            Path::new("c.toml"),
+            "control = \"/tmp/c\"\n[dataplane]\nworkers = 3\nmode = \"poll\"\nrebalance-interval = 0\n",
+        )
+        .unwrap();
+        let p = c.pool.unwrap();
+        assert_eq!((p.workers, p.wait, p.rebalance), (3, crate::spec::WaitSpec::Poll, std::time::Duration::ZERO));
+        assert!(c.devices.is_empty(), "devices may come at runtime with a control socket");
+        // One worker per CPU given; an empty table is one adaptive worker.
+        let cpus = parse(Path::new("c.toml"), "control = \"/tmp/c\"\n[dataplane]\ncpus = \"0\"\n").unwrap();
+        assert_eq!(cpus.pool.unwrap().workers, 1);
+        let empty = parse(Path::new("c.toml"), "control = \"/tmp/c\"\n[dataplane]\n").unwrap().pool.unwrap();
+        assert_eq!((empty.workers, empty.rebalance.as_secs()), (1, 10));
+        assert!(matches!(empty.wait, crate::spec::WaitSpec::Adaptive { .. }));
+        let e = err("control = \"/tmp/c\"\n[dataplane]\nmode = \"fast\"\n");
+        assert!(e.starts_with("/etc/vhostd/x.toml:3: [dataplane] key `mode`: expected"), "{e}");
+        let e = err("control = \"/tmp/c\"\n[dataplane]\nthreads = 2\n");
+        assert!(e.contains("key `threads`: unknown key"), "{e}");
+        // A device on the pool cannot wait its own way.
+        let e = err("[dataplane]\n[[net]]\nsocket-path = \"/tmp/a\"\nbackend = \"sink\"\nmode = \"poll\"\n");
+        assert!(e.contains("device `net0` (with [dataplane]): --mode"), "{e}");
+        // No devices and no control socket: nothing to serve.
+        assert!(err("[dataplane]\n").contains("no devices"));
     }
 
     #[test]

@@ -369,7 +369,7 @@ impl Loop {
                 tracing::error!("device stopped serving: internal error (panic); see the log");
                 entry.fail("internal error (panic); see the log".into());
                 self.drop_dev(slot);
-                self.device_ended_by_itself(slot);
+                self.device_ended_by_itself();
             }
         }
     }
@@ -394,12 +394,12 @@ impl Loop {
             d.retry_at = Some(Instant::now());
         } else {
             self.drop_dev(slot);
-            self.device_ended_by_itself(slot);
+            self.device_ended_by_itself();
         }
     }
 
-    /// Marks the device that was in `slot` ended and tells the main loop.
-    fn device_ended_by_itself(&mut self, _slot: usize) {
+    /// Tells the main loop a device ended by itself (`drop_dev` marked it).
+    fn device_ended_by_itself(&mut self) {
         let _ = self.done.write(1);
     }
 

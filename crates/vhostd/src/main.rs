@@ -52,8 +52,8 @@ fn main() -> ExitCode {
             };
             // The command line's pool options replace the file's table.
             let pool = args.pool().or(cfg.pool);
-            if let Some(d) = cfg.devices.iter().find(|d| pool.is_some() && d.dataplane.check_pooled().is_err()) {
-                let e = d.dataplane.check_pooled().err().unwrap_or_default();
+            let refused = cfg.devices.iter().find_map(|d| d.dataplane.check_pooled().err().map(|e| (d, e)));
+            if let (Some((d, e)), true) = (refused, pool.is_some()) {
                 eprintln!("vhostd: {}: device `{}` (with --workers/--worker-*): {e}", path.display(), d.name);
                 return ExitCode::from(2);
             }
