@@ -106,6 +106,15 @@ impl Daemon {
         self.frontends.add(entry.clone(), endpoint);
     }
 
+    /// Serves a start-up device, unless `vhostd ctl remove` took it out of
+    /// the list meanwhile (then its endpoint goes, and its socket file).
+    fn start_listed(&self, entry: &Arc<DeviceEntry>, endpoint: Endpoint) {
+        let _one = self.manage.lock().unwrap_or_else(|e| e.into_inner());
+        if self.devices.find(&entry.name).is_some_and(|e| Arc::ptr_eq(&e, entry)) {
+            self.start(entry, endpoint);
+        }
+    }
+
     /// Adds a device while the daemon runs: built, listed and serving, or
     /// nothing of it left (`vhostd ctl add`).
     pub fn add(&self, spec: &DeviceSpec) -> io::Result<Arc<DeviceEntry>> {
@@ -197,16 +206,17 @@ pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
             }
         }
     }
-    for (entry, endpoint) in endpoints {
-        daemon.start(&entry, endpoint);
-    }
-    // Only now: a `vhostd ctl remove` must find every device served.
+    // The control socket is there before "listening on" is printed (what
+    // tests and managers wait for, then ask it).
     let _control = match &globals.control {
         Some(p) => Some(crate::control::serve(p, daemon.clone())?),
         None => None,
     };
     if let Some(addr) = globals.metrics {
         crate::metrics::serve(addr, daemon.clone())?;
+    }
+    for (entry, endpoint) in endpoints {
+        daemon.start_listed(&entry, endpoint);
     }
     let managed = globals.control.is_some();
     // Set up: from here on only the system calls serving needs (and, with
