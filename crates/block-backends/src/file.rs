@@ -189,6 +189,9 @@ pub struct FileBackend {
     /// SQEs queued since the last submit (new requests only).
     unsubmitted: usize,
     stats: BlockStats,
+    /// Every request goes to the kernel's io-wq workers (IOSQE_ASYNC)
+    /// rather than being tried in the submitting thread first.
+    punt: bool,
 }
 
 // SAFETY: the only fields that are not Send are the iovecs' raw pointers.
@@ -198,7 +201,7 @@ pub struct FileBackend {
 unsafe impl Send for FileBackend {}
 
 impl FileBackend {
-    fn new(file: Arc<File>, read_only: bool, discard: bool, depth: usize) -> io::Result<FileBackend> {
+    fn new(file: Arc<File>, read_only: bool, discard: bool, depth: usize, punt: bool) -> io::Result<FileBackend> {
         let entries = depth.next_power_of_two().max(8) as u32;
         let ring = IoUring::new(entries)?;
         // SAFETY: eventfd() takes no pointers; the result is checked below.
@@ -220,11 +223,22 @@ impl FileBackend {
             zero_range_unsupported: false,
             unsubmitted: 0,
             stats: BlockStats::default(),
+            punt,
         })
     }
 
     fn fd(&self) -> types::Fd {
         types::Fd(self.file.as_raw_fd())
+    }
+
+    /// `entry`, handed to the kernel's workers at once where the file
+    /// system could hold the submitting thread (`SERVER_FS`).
+    fn flagged(&self, entry: squeue::Entry) -> squeue::Entry {
+        if self.punt {
+            entry.flags(squeue::Flags::ASYNC)
+        } else {
+            entry
+        }
     }
 
     /// Hands queued SQEs to the kernel, waiting for `want` completions.
@@ -366,6 +380,7 @@ impl BlockBackend for FileBackend {
                 self.slab.entry(idx, fd)
             }
         };
+        let entry = self.flagged(entry);
         // SAFETY: the entry points at this slot's iovecs (kept until the
         // slot is freed at its completion) and at the guest buffers they
         // describe, which the fence made from mapped memory and which stay
@@ -408,7 +423,7 @@ impl BlockBackend for FileBackend {
             match self.step(idx, cqe.result()) {
                 Some(result) => self.finish(idx, result, out),
                 None => {
-                    let entry = self.slab.entry(idx, self.fd());
+                    let entry = self.flagged(self.slab.entry(idx, self.fd()));
                     // SAFETY: as in `queue`: the slot's iovecs and the guest
                     // memory it holds stay valid until this slot completes.
                     if unsafe { self.ring.submission().push(&entry) }.is_ok() {
@@ -516,14 +531,45 @@ pub(crate) fn open(
     }
     let block_size = if direct { direct_block_size(&file, is_blockdev) } else { 512 };
     let info = DiskInfo { capacity: size, read_only: readonly, block_size, discard, write_zeroes: true };
+    let server_fs = server_fs(&file);
+    if let Some(fs) = server_fs {
+        tracing::info!("{name}: on {fs}, whose server may stop answering: every request goes to io_uring's workers, never waiting in the dataplane's thread");
+    }
+    let punt = server_fs.is_some();
     let file = Arc::new(file);
     let mut backends: Vec<Box<dyn BlockBackend>> = Vec::with_capacity(queues);
     for _ in 0..queues {
-        let backend = FileBackend::new(file.clone(), readonly, discard, depth)
+        let backend = FileBackend::new(file.clone(), readonly, discard, depth, punt)
             .map_err(|e| fail(e.kind(), format!("io_uring set-up: {e}")))?;
         backends.push(Box::new(backend));
     }
     Ok((info, backends))
+}
+
+/// File systems (statfs f_type) on which io_uring may run a request in
+/// the submitting thread and block it there: the kernel (6.1) takes a file
+/// with no block device under it as able to answer without waiting, and
+/// FUSE and NFS direct I/O then wait for their server in the submit call.
+/// A hung server would hold the worker, and every device sharing it.
+const SERVER_FS: &[(i64, &str)] = &[
+    (0x6573_5546, "fuse"),
+    (0x6969, "nfs"),
+    (0xfe53_4d42, "smb2"),
+    (0xff53_4d42, "cifs"),
+    (0x0102_1997, "9p"),
+    (0x00c3_6400, "ceph"),
+];
+
+/// The `SERVER_FS` file system `file` lies on, if any (unknown: none).
+fn server_fs(file: &File) -> Option<&'static str> {
+    // SAFETY: an all-zero statfs is a valid value of the plain C struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs through the pointer, which points
+    // at the local above; the descriptor is the open file's.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
+    SERVER_FS.iter().find(|&&(magic, _)| st.f_type as i64 == magic).map(|&(_, fs)| fs)
 }
 
 fn check_type(t: &std::fs::FileType) -> Result<(), String> {

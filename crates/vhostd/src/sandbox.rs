@@ -127,6 +127,8 @@ const BUILD: &[libc::c_long] = &[
     libc::SYS_mkdirat,
     libc::SYS_io_uring_setup,
     libc::SYS_io_uring_register,
+    // The image's file system (a server's, whose requests go async).
+    libc::SYS_fstatfs,
     libc::SYS_bpf,
     libc::SYS_fallocate,
     libc::SYS_fsync,
