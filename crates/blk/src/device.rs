@@ -27,7 +27,7 @@ pub fn build(dev: BlkDevice, backends: Vec<Box<dyn BlockBackend>>, depth: usize)
         .into_iter()
         .enumerate()
         .map(|(i, b)| {
-            Box::new(BlkGroup { index: i as u16, queue: BlkQueue::new(b, depth), dev: dev.clone() })
+            Box::new(BlkGroup { index: i as u16, queue: BlkQueue::new(b, depth), dev: dev.clone(), stopping: false })
                 as Box<dyn QueueGroup>
         })
         .collect();
@@ -119,6 +119,8 @@ pub struct BlkGroup {
     index: u16,
     queue: BlkQueue,
     dev: Arc<BlkDevice>,
+    /// The ring is stopping: requests in flight complete, none start.
+    stopping: bool,
 }
 
 const REQUESTS: Metric = Metric::counter("vhostd_blk_requests_total", "virtio-blk requests, by type.");
@@ -134,6 +136,7 @@ impl QueueGroup for BlkGroup {
     }
 
     fn attach(&mut self, _slot: usize, ring: &mut Ring, features: u64, inflight: Option<InflightLog>) {
+        self.stopping = false;
         self.queue.set_features(features);
         if let Some(log) = inflight {
             // Requests a crashed backend left unanswered run again.
@@ -145,16 +148,30 @@ impl QueueGroup for BlkGroup {
         }
     }
 
+    fn stop(&mut self, _slot: usize, ring: &mut Ring) -> bool {
+        self.stopping = true;
+        if self.queue.finish(&mut ring.queue) > 0 {
+            ring.notify();
+        }
+        self.queue.in_flight() == 0
+    }
+
     fn detach(&mut self, _slot: usize, ring: &mut Ring) {
-        // The backend may still write into the ring's buffers.
+        // The backend may still write into the ring's buffers (not after
+        // `stop` said none are in flight: then this waits for nothing).
         self.queue.drain(&mut ring.queue, &self.dev);
         self.queue.detach_inflight();
+        self.stopping = false;
     }
 
     fn poll(&mut self, rings: &mut [Option<Ring>]) -> Pass {
         let Some(Some(ring)) = rings.first_mut() else { return Pass::default() };
         let t0 = tsc();
-        let n = self.queue.process(&mut ring.queue, &mut ring.batch, &self.dev);
+        let n = if self.stopping {
+            self.queue.finish(&mut ring.queue)
+        } else {
+            self.queue.process(&mut ring.queue, &mut ring.batch, &self.dev)
+        };
         if n > 0 {
             ring.notify();
             ring.counters.busy_cycles += tsc() - t0;
@@ -174,7 +191,8 @@ impl QueueGroup for BlkGroup {
     /// polled until its requests are done.
     fn prepare_sleep(&mut self, rings: &mut [Option<Ring>]) -> Sleep {
         let mut work = self.queue.in_flight() > 0 && self.queue.completion_fd().is_none();
-        if let Some(Some(ring)) = rings.first_mut() {
+        // A stopping ring takes no new requests: its kicks mean nothing.
+        if let (Some(Some(ring)), false) = (rings.first_mut(), self.stopping) {
             work |= ring.queue.enable_notifications();
         }
         Sleep { work, watch_event_fd: true }

@@ -360,6 +360,12 @@ impl BlkQueue {
         self.inflight = None;
     }
 
+    /// Completes what the backend finished, and starts nothing new (a ring
+    /// that is stopping). Returns requests completed.
+    pub fn finish(&mut self, q: &mut Queue) -> usize {
+        self.reap() + self.complete_done(q)
+    }
+
     /// Waits for every request in flight and completes them (before the
     /// ring is handed back or the memory table changes).
     pub fn drain(&mut self, q: &mut Queue, dev: &BlkDevice) {

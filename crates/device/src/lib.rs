@@ -314,8 +314,18 @@ pub trait QueueGroup: Send {
     /// device that `tracks_inflight`): requests a previous backend left
     /// there run again.
     fn attach(&mut self, slot: usize, ring: &mut Ring, features: u64, inflight: Option<InflightLog>);
+    /// Ring `slot` is to stop: take no new work from it, and say whether
+    /// nothing of it is still in flight (then `detach` follows at once).
+    /// Until it says so, `poll` goes on completing what is in flight and
+    /// this is asked again after each pass: a backend that is slow to
+    /// finish (a hung disk) holds up this ring's stop, not the worker's
+    /// other groups.
+    fn stop(&mut self, _slot: usize, _ring: &mut Ring) -> bool {
+        true
+    }
     /// Ring `slot` stops: nothing of it may be in flight when this returns
-    /// (a backend could still write into its buffers).
+    /// (a backend could still write into its buffers). After `stop` said
+    /// so, this waits for nothing.
     fn detach(&mut self, _slot: usize, _ring: &mut Ring) {}
     /// One pass of work over the running rings (`rings[slot]`; None: not
     /// running): the work done and, when there was none, how the worker

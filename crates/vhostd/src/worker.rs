@@ -300,6 +300,9 @@ struct Worker {
     sleeps: u64,
     /// Idle passes in a row with a group stalled.
     blocked_passes: u32,
+    /// Rings asked to stop that still have requests in flight, with the
+    /// reply their detach waits for.
+    stopping: Vec<(GroupKey, usize, Sender<Option<Returned>>)>,
     /// Some ring is attached; some attached ring has no kick fd (it must be
     /// polled). Kept from attach and detach, not recomputed per idle pass.
     attached: bool,
@@ -368,6 +371,7 @@ pub fn spawn(
         busy_iters: 0,
         sleeps: 0,
         blocked_passes: 0,
+        stopping: Vec::new(),
         attached: false,
         must_poll: false,
         lost_seen: crate::memory::lost_mappings(),
@@ -422,6 +426,9 @@ impl Worker {
                 }
             }
             let pass = self.poll_once();
+            if !self.stopping.is_empty() {
+                self.check_stops();
+            }
             if pass.work > 0 {
                 self.busy_iters += 1;
                 backoff = 1;
@@ -542,6 +549,9 @@ impl Worker {
                     let _ = reply.send(());
                 }
                 Cmd::Take { key, reply } => {
+                    // (The session holds a device's places while a ring of
+                    // it stops, so no move or retire takes a unit then.)
+                    self.finish_stops(Some(key));
                     let _ = reply.send(self.take(key));
                 }
                 Cmd::Put { unit, reply } => {
@@ -552,9 +562,7 @@ impl Worker {
                     self.attach(key, slot, *start);
                     let _ = reply.send(());
                 }
-                Cmd::Detach { key, slot, reply } => {
-                    let _ = reply.send(self.detach(key, slot));
-                }
+                Cmd::Detach { key, slot, reply } => self.start_detach(key, slot, reply),
                 Cmd::Stats { reply } => {
                     let _ = reply.send(self.report());
                 }
@@ -659,6 +667,62 @@ impl Worker {
         let mut ring = Ring::new(queue, batch, call);
         u.group.attach(slot, &mut ring, features, inflight);
         u.rings[slot] = Some(ring);
+    }
+
+    /// Asks ring `slot` of a group to stop and replies with it once nothing
+    /// of it is in flight: at once, or after the passes that complete what
+    /// is (`check_stops`); the other groups run meanwhile.
+    fn start_detach(&mut self, key: GroupKey, slot: usize, reply: Sender<Option<Returned>>) {
+        if self.try_stop(key, slot) {
+            let _ = reply.send(self.detach(key, slot));
+            return;
+        }
+        if let Some(k) = self.unit_of(key) {
+            tracing::info!(device = %self.units[k].run.name, group = key.group, slot, "ring stopping: waiting for its requests in flight");
+        }
+        self.stopping.push((key, slot, reply));
+    }
+
+    /// Asks ring `slot` of a group to stop: true once nothing of it is in
+    /// flight (or there is no such ring).
+    fn try_stop(&mut self, key: GroupKey, slot: usize) -> bool {
+        let Some(k) = self.unit_of(key) else { return true };
+        let u = &mut self.units[k];
+        match u.rings.get_mut(slot) {
+            Some(Some(ring)) => u.group.stop(slot, ring),
+            _ => true,
+        }
+    }
+
+    /// Replies to the stops whose rings have nothing in flight any more.
+    fn check_stops(&mut self) {
+        let mut i = 0;
+        while i < self.stopping.len() {
+            let (key, slot) = (self.stopping[i].0, self.stopping[i].1);
+            if self.try_stop(key, slot) {
+                let (_, _, reply) = self.stopping.swap_remove(i);
+                if let Some(k) = self.unit_of(key) {
+                    tracing::info!(device = %self.units[k].run.name, group = key.group, slot, "ring stopped");
+                }
+                let _ = reply.send(self.detach(key, slot));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Ends the stops of group `key` (every group's: None) now, waiting for
+    /// their requests in flight.
+    fn finish_stops(&mut self, key: Option<GroupKey>) {
+        let mut i = 0;
+        while i < self.stopping.len() {
+            if key.is_none_or(|k| k == self.stopping[i].0) {
+                let (key, slot, reply) = self.stopping.swap_remove(i);
+                let _ = reply.send(self.detach(key, slot));
+            } else {
+                i += 1;
+            }
+        }
     }
 
     fn detach(&mut self, key: GroupKey, slot: usize) -> Option<Returned> {

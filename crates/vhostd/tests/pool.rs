@@ -448,3 +448,149 @@ fn eighty_connected_idle_devices_take_under_one_percent_of_a_cpu() {
     assert_eq!(threads, threads0, "threads grew with devices: {:?}", d.threads());
     drop(frontends);
 }
+
+/// A disk that hangs: a FUSE file system (tests/hanging_fs.py) holding one
+/// file, `disk`, whose reads and writes wait while it is held (`hold`), as
+/// on an NFS mount whose server went away. Unmounted and stopped on drop
+/// (declare it before the daemon, which then goes first).
+struct HangingDisk {
+    child: Child,
+    mnt: PathBuf,
+    hold: PathBuf,
+}
+
+impl HangingDisk {
+    fn mount(dir: &Path, bytes: u64) -> HangingDisk {
+        let mnt = dir.join("hanging");
+        std::fs::create_dir_all(&mnt).unwrap();
+        let hold = dir.join("hold");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/hanging_fs.py");
+        // Debian's python3, which python3-fusepy installs into (not one a
+        // version manager put first on PATH).
+        let child = Command::new("/usr/bin/python3")
+            .arg(script)
+            .arg(&mnt)
+            .arg(bytes.to_string())
+            .arg(&hold)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("python3 (scripts/setup installs it, with python3-fusepy)");
+        let d = HangingDisk { child, mnt, hold };
+        assert!(
+            wait_until(T, || d.disk().exists()),
+            "the FUSE file system did not come up (needs /dev/fuse and python3-fusepy: scripts/setup)"
+        );
+        d
+    }
+
+    fn disk(&self) -> PathBuf {
+        self.mnt.join("disk")
+    }
+
+    /// Holds reads and writes until the guard is released or dropped
+    /// (declare it after the daemon: a process waiting on the disk cannot
+    /// be reaped until it answers).
+    fn hold(&self) -> Held {
+        std::fs::write(&self.hold, b"").unwrap();
+        Held(self.hold.clone())
+    }
+}
+
+struct Held(PathBuf);
+
+impl Held {
+    fn release(self) {}
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Drop for HangingDisk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.hold);
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Frames device `name` has taken from its guest (TX queue 1), from the
+/// control socket; None if the daemon did not answer within its timeout.
+fn tx_packets(d: &PoolDaemon, name: &str) -> Option<u64> {
+    let out =
+        Command::new(VHOSTD).args(["stats", "--json", "--control", d.path("ctl").to_str().unwrap()]).output().ok()?;
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    let dev = v["devices"].as_array()?.iter().find(|x| x["name"] == name)?.clone();
+    dev["queues"].as_array()?.iter().find(|q| q["queue"] == 1)?["packets"].as_u64()
+}
+
+/// A blk device whose disk hangs while its ring stops (its frontend went,
+/// as when QEMU stops a VM) must not hold the worker it shares: the
+/// other devices there keep moving frames, and the stop completes once
+/// the disk answers again. (A worker that waited for the disk in the
+/// stop would move nothing, and not answer the stats request either.)
+#[test]
+fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
+    let _one = serial();
+    let dir = tempdir();
+    let disk = HangingDisk::mount(&dir, 16 << 20);
+    let d = PoolDaemon::start(&["--workers", "1", "--rebalance-interval", "0"]);
+    let n1 = d.add_net("n1", &["--backend", "loopback"]);
+    let b1 = d.path("b1.sock");
+    let backend = format!("file,path={}", disk.disk().display());
+    d.ok(&["add", "blk", "--name", "b1", "--socket-path", b1.to_str().unwrap(), "--backend", &backend]);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let traffic = {
+        let (n1, stop) = (n1.clone(), stop.clone());
+        std::thread::spawn(move || loop_frames(&n1, u32::MAX, &stop))
+    };
+    assert!(wait_until(T, || tx_packets(&d, "n1").is_some_and(|p| p > 0)), "no traffic through n1");
+
+    // Reads that hang in the disk; the frontend gives up on them and goes,
+    // leaving them in flight while b1's ring stops.
+    let held = disk.hold();
+    {
+        let mut blk = VirtioUser::connect(Options::blk(&b1)).unwrap();
+        let cap = blk.blk_config().unwrap().capacity;
+        let mut qs = vec![blk.blk_queue(0, 16, 4096).unwrap()];
+        let w = Workload {
+            count: Some(8),
+            iodepth: 4,
+            stall_timeout: Duration::from_secs(1),
+            ..Workload::new(Mode::RandRead, 4096)
+        };
+        assert!(workload::run(&mut qs, cap, &w, None).is_err(), "reads completed on a held disk");
+    }
+    assert!(
+        wait_until(T, || d.stderr().contains("waiting for its requests in flight")),
+        "b1's ring did not start stopping; stderr:\n{}",
+        d.stderr()
+    );
+    let before = tx_packets(&d, "n1").expect("stats while b1's disk hangs");
+    assert!(
+        wait_until(T, || tx_packets(&d, "n1").is_some_and(|p| p >= before + 10_000)),
+        "n1 stopped moving frames while b1's disk hung (at {before})"
+    );
+    assert!(d.stderr().contains("waiting for its requests in flight") && !d.stderr().contains("ring stopped"));
+
+    // The disk answers again: the stop completes and b1 serves the next
+    // frontend.
+    held.release();
+    assert!(wait_until(T, || d.stderr().contains("ring stopped")), "b1's ring never stopped:\n{}", d.stderr());
+    let mut blk = VirtioUser::connect(Options::blk(&b1)).unwrap();
+    let cap = blk.blk_config().unwrap().capacity;
+    let mut qs = vec![blk.blk_queue(0, 16, 4096).unwrap()];
+    let w = Workload { seed: 3, count: Some(64), ..Workload::new(Mode::Verify, 4096) };
+    assert!(workload::run(&mut qs, cap, &w, None).unwrap().passed(), "b1 after its disk came back");
+    stop.store(true, Ordering::Relaxed);
+    assert!(traffic.join().unwrap() > 10_000);
+    drop(qs);
+    drop(blk);
+    drop(d);
+    drop(disk);
+    let _ = std::fs::remove_dir_all(&dir);
+}
