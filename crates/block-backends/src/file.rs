@@ -551,7 +551,7 @@ pub(crate) fn open(
 /// with no block device under it as able to answer without waiting, and
 /// FUSE and NFS direct I/O then wait for their server in the submit call.
 /// A hung server would hold the worker, and every device sharing it.
-const SERVER_FS: &[(i64, &str)] = &[
+const SERVER_FS: &[(u32, &str)] = &[
     (0x6573_5546, "fuse"),
     (0x6969, "nfs"),
     (0xfe53_4d42, "smb2"),
@@ -569,7 +569,9 @@ fn server_fs(file: &File) -> Option<&'static str> {
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
         return None;
     }
-    SERVER_FS.iter().find(|&&(magic, _)| st.f_type as i64 == magic).map(|&(_, fs)| fs)
+    // The magic numbers are 32 bits; f_type is a signed word, which on a
+    // 32-bit target holds the SMB ones negative: compare the low 32 bits.
+    SERVER_FS.iter().find(|&&(magic, _)| st.f_type as u32 == magic).map(|&(_, fs)| fs)
 }
 
 fn check_type(t: &std::fs::FileType) -> Result<(), String> {

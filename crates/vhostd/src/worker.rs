@@ -415,12 +415,7 @@ impl Worker {
             if self.pending.load(Ordering::Acquire) {
                 self.pending.store(false, Ordering::Relaxed);
                 self.handle_cmds();
-                self.attached = self.units.iter().any(|u| u.rings.iter().any(Option::is_some));
-                // A ring started without a kick fd must be polled.
-                self.must_poll = self
-                    .units
-                    .iter()
-                    .any(|u| u.rings.iter().zip(&u.slots).any(|(r, s)| r.is_some() && s.kick.is_none()));
+                self.recount();
                 if self.stop.load(Ordering::Acquire) {
                     break;
                 }
@@ -559,6 +554,8 @@ impl Worker {
                     let _ = reply.send(());
                 }
                 Cmd::Attach { key, slot, start, reply } => {
+                    // (Never while the slot stops: the session waits for it.)
+                    self.finish_stops(Some(key));
                     self.attach(key, slot, *start);
                     let _ = reply.send(());
                 }
@@ -618,7 +615,7 @@ impl Worker {
         for j in k..self.units.len() {
             self.register(j, false);
         }
-        self.attached = self.units.iter().any(|u| u.rings.iter().any(Option::is_some));
+        self.recount();
         Some(u)
     }
 
@@ -694,8 +691,17 @@ impl Worker {
         }
     }
 
+    /// Whether any ring is attached, and whether one has no kick fd (and
+    /// must be polled): after rings came or went.
+    fn recount(&mut self) {
+        self.attached = self.units.iter().any(|u| u.rings.iter().any(Option::is_some));
+        self.must_poll =
+            self.units.iter().any(|u| u.rings.iter().zip(&u.slots).any(|(r, s)| r.is_some() && s.kick.is_none()));
+    }
+
     /// Replies to the stops whose rings have nothing in flight any more.
     fn check_stops(&mut self) {
+        let before = self.stopping.len();
         let mut i = 0;
         while i < self.stopping.len() {
             let (key, slot) = (self.stopping[i].0, self.stopping[i].1);
@@ -708,6 +714,9 @@ impl Worker {
             } else {
                 i += 1;
             }
+        }
+        if self.stopping.len() != before {
+            self.recount();
         }
     }
 

@@ -544,6 +544,14 @@ fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
     d.ok(&["add", "blk", "--name", "b1", "--socket-path", b1.to_str().unwrap(), "--backend", &backend]);
 
     let stop = Arc::new(AtomicBool::new(false));
+    // Stops the traffic however the test ends (before the daemon goes).
+    struct SetOnDrop(Arc<AtomicBool>);
+    impl Drop for SetOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let _stop_traffic = SetOnDrop(stop.clone());
     let traffic = {
         let (n1, stop) = (n1.clone(), stop.clone());
         std::thread::spawn(move || loop_frames(&n1, u32::MAX, &stop))
