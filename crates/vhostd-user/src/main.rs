@@ -149,6 +149,13 @@ struct NetArgs {
     /// Stop after this many packets (sent in txonly, received otherwise).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     count: Option<u64>,
+    /// Offer frames at this rate (Mpps, all queue pairs of all devices
+    /// together, an equal share each) instead of as fast as the backend
+    /// takes them, as a source that does not wait would (a NIC, a guest
+    /// forwarding at line rate): a frame due while its ring is full is
+    /// dropped and counted in tx_dropped. txonly and txrx.
+    #[arg(long, value_parser = parse_rate)]
+    rate: Option<f64>,
     /// Queue pairs.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=128))]
     queues: u16,
@@ -193,6 +200,13 @@ fn start_dirty_log(dev: &mut VirtioUser, queues: &[&VirtQueue]) -> Result<DirtyL
     dev.start_dirty_log(&log, queues).map_err(|e| format!("dirty log: {e}"))?;
     eprintln!("vhostd-user: dirty logging on ({} bytes of log)", log.size());
     Ok(log)
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1000.0 => Ok(v),
+        _ => Err(format!("expected a rate in Mpps above 0 and at most 1000, not '{s}'")),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<f64, String> {
@@ -362,6 +376,9 @@ fn set_up(a: &NetArgs, path: &std::path::Path) -> Result<SetUp, String> {
 }
 
 fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
+    if a.rate.is_some() && !matches!(a.mode, Mode::Txonly | Mode::Txrx) {
+        return Err("--rate: only with --mode txonly or txrx".into());
+    }
     let mut devs = Vec::with_capacity(a.socket_path.len());
     let mut pairs: Vec<(RxQueue, TxQueue)> = Vec::new();
     let mut _logs = Vec::new();
@@ -380,6 +397,11 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     let deadline = a.duration.map(|d| start + Duration::from_secs_f64(d));
     let mut posted: u64 = 0;
     let mut tx_dropped = 0u64;
+    // --rate: frames each pair has been offered so far (sent or dropped),
+    // and the share of the rate each pair gets, in frames per nanosecond.
+    let mut offered = vec![0u64; pairs.len()];
+    let per_pair_ns = a.rate.map(|r| r * 1e-3 / pairs.len() as f64);
+    let mut elapsed_ns = 0f64;
     let mut iter: u64 = 0;
     let mut failure = None;
     let mut saw_rx = false;
@@ -389,13 +411,26 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
         pairs.iter().map(|(rx, tx)| if a.mode == Mode::Txonly { tx.stats.packets } else { rx.stats.packets }).sum()
     };
     'outer: loop {
-        for (rx, tx) in pairs.iter_mut() {
+        if per_pair_ns.is_some() {
+            elapsed_ns = start.elapsed().as_nanos() as f64;
+        }
+        for (p, (rx, tx)) in pairs.iter_mut().enumerate() {
             let r = match a.mode {
                 Mode::Txonly | Mode::Txrx => (|| {
                     tx.reclaim()?;
-                    let want = (burst as u64).min(count.saturating_sub(posted)) as usize;
+                    let mut want = (burst as u64).min(count.saturating_sub(posted)) as usize;
+                    let mut due = 0;
+                    if let Some(rate) = per_pair_ns {
+                        due = ((elapsed_ns * rate) as u64).saturating_sub(offered[p]).min(count.saturating_sub(posted));
+                        want = due as usize;
+                    }
                     let n = tx.send_template(want)?;
                     posted += n as u64;
+                    if per_pair_ns.is_some() {
+                        // What did not fit was due now: a source that does not wait loses it.
+                        offered[p] += due;
+                        tx_dropped += due - n as u64;
+                    }
                     if n > 0 {
                         tx.flush()?;
                     }
