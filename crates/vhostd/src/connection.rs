@@ -98,7 +98,24 @@ pub enum Step {
     More,
     /// The connection is over (closed, or closed by us).
     End,
+    /// The next message may wait on the backend (`serve_ready` with
+    /// `hold_slow`): left unanswered, for a thread that may wait.
+    Slow,
 }
+
+/// Requests that never stop a ring: answered at once whatever runs.
+const NEVER_STOP: &[FrontendReq] = &[
+    FrontendReq::GET_FEATURES,
+    FrontendReq::GET_PROTOCOL_FEATURES,
+    FrontendReq::SET_PROTOCOL_FEATURES,
+    FrontendReq::GET_QUEUE_NUM,
+    FrontendReq::GET_CONFIG,
+    FrontendReq::SET_CONFIG,
+    FrontendReq::GET_MAX_MEM_SLOTS,
+    FrontendReq::GET_STATUS,
+    FrontendReq::SET_OWNER,
+    FrontendReq::SEND_RARP,
+];
 
 /// The next message in the socket, as far as it has arrived.
 enum Next {
@@ -126,9 +143,26 @@ impl Conn {
         &self.stream
     }
 
+    /// Whether ending the connection now may wait on the backend (see
+    /// `Session::may_wait_on_backend`).
+    pub fn finish_may_wait(&self) -> bool {
+        self.session.lock().is_ok_and(|s| s.may_wait_on_backend())
+    }
+
     /// Answers the whole messages waiting, at most `BURST`; `hup`: the
     /// frontend hung up (what it sent whole is still answered).
-    pub fn serve_ready(&mut self, hup: bool) -> Step {
+    /// `hold_slow`: stop before a message that may wait on the backend
+    /// (`Step::Slow`), and before the end of a connection that may.
+    pub fn serve_ready(&mut self, hup: bool, hold_slow: bool) -> Step {
+        let step = self.serve_burst(hup, hold_slow);
+        if step == Step::End && hold_slow && self.finish_may_wait() {
+            // Ending it stops the rings: also for the thread that may wait.
+            return Step::Slow;
+        }
+        step
+    }
+
+    fn serve_burst(&mut self, hup: bool, hold_slow: bool) -> Step {
         for _ in 0..BURST {
             match next(&self.stream) {
                 Next::Closed => {
@@ -145,6 +179,9 @@ impl Conn {
                     return Step::End;
                 }
                 Next::Whole => {
+                    if hold_slow && self.next_may_wait() {
+                        return Step::Slow;
+                    }
                     if unread(&self.stream) > MAX_UNREAD {
                         tracing::warn!("closing frontend connection: it does not read vhostd's replies");
                         return Step::End;
@@ -156,6 +193,16 @@ impl Conn {
             }
         }
         Step::More
+    }
+
+    /// Whether the next message may wait on the backend: it is one that
+    /// can stop a ring, and a ring that can wait to stop runs.
+    fn next_may_wait(&self) -> bool {
+        let Some((req, ..)) = peek(&self.stream, &mut [0u8; HEADER]) else { return false };
+        if NEVER_STOP.iter().any(|r| *r as u32 == req) {
+            return false;
+        }
+        self.finish_may_wait()
     }
 
     /// Answers one whole message; false: the connection is over.
@@ -275,8 +322,8 @@ pub fn serve(conn: UnixStream, dev: &Arc<Served>, stop: RawFd) -> io::Result<boo
         if wait_readable(&[c.stream.as_raw_fd(), stop])? == 1 {
             break true;
         }
-        match c.serve_ready(hung_up(&c.stream)) {
-            Step::End => break false,
+        match c.serve_ready(hung_up(&c.stream), false) {
+            Step::End | Step::Slow => break false,
             // Only part of a message: sleep a little for the rest
             // (readability holds while any byte waits).
             Step::Wait => std::thread::sleep(std::time::Duration::from_millis(1)),

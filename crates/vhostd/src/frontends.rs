@@ -14,6 +14,13 @@
 //! `--client` connects without waiting on a full backlog: nothing here
 //! waits on one frontend. A panic while serving a device marks that device
 //! failed and drops it; the others go on.
+//!
+//! Nor on a backend: a message that may stop a ring with requests in
+//! flight (blk: GET_VRING_BASE, a reset, a memory change, the connection's
+//! end) waits until they complete, which on a hung disk is as long as it
+//! hangs. Such a message goes, with its connection, to a thread of its own
+//! (`vhostd-fe-wait`) that brings the connection back when done; the
+//! device's other events wait for it, every other device is served.
 
 use std::collections::VecDeque;
 use std::io;
@@ -58,8 +65,19 @@ impl Frontends {
     pub fn start(done: Arc<EventFd>) -> io::Result<Frontends> {
         let (tx, rx) = channel();
         let wake = EventFd::new(EFD_NONBLOCK)?;
-        let lp =
-            Loop { epoll: Epoll::new()?, wake: wake.try_clone()?, rx, done, devs: Vec::new(), ready: VecDeque::new() };
+        let (back_tx, back_rx) = channel();
+        let lp = Loop {
+            epoll: Epoll::new()?,
+            wake: wake.try_clone()?,
+            rx,
+            done,
+            devs: Vec::new(),
+            ready: VecDeque::new(),
+            back_tx,
+            back_rx,
+            next_id: 0,
+            stopping: false,
+        };
         lp.epoll.ctl(ControlOperation::Add, lp.wake.as_raw_fd(), EpollEvent::new(EventSet::IN, WAKE))?;
         let thread = std::thread::Builder::new().name("vhostd-frontends".into()).spawn(move || lp.run())?;
         Ok(Frontends { tx: Mutex::new(tx), wake, thread: Mutex::new(Some(thread)) })
@@ -144,6 +162,20 @@ struct Dev {
     conn: Option<Conn>,
     /// A --client device's next attempt to connect.
     retry_at: Option<Instant>,
+    /// Unique per device added (a slot is reused after a removal).
+    id: u64,
+    /// Its connection is with a thread that may wait (`Back` returns it).
+    away: bool,
+    /// Removals asked for while away: done, and answered, on return.
+    remove_after: Option<Vec<Sender<()>>>,
+}
+
+/// What a thread that may wait brings back.
+enum Back {
+    /// Messages answered: the connection, and what it came to (Err: a panic).
+    Served { slot: usize, id: u64, conn: Conn, step: Result<Step, ()> },
+    /// A connection ended (its rings stopped); whether that panicked.
+    Finished { slot: usize, id: u64, panicked: bool },
 }
 
 struct Loop {
@@ -154,6 +186,11 @@ struct Loop {
     devs: Vec<Option<Dev>>,
     /// Connections with whole messages possibly waiting (a burst was cut).
     ready: VecDeque<usize>,
+    back_tx: Sender<Back>,
+    back_rx: Receiver<Back>,
+    next_id: u64,
+    /// Shutting down: nothing more goes away.
+    stopping: bool,
 }
 
 impl Loop {
@@ -174,6 +211,7 @@ impl Loop {
                 let t = ev.data();
                 if t == WAKE {
                     let _ = self.wake.read();
+                    self.returned();
                     if self.commands() {
                         return;
                     }
@@ -203,13 +241,23 @@ impl Loop {
             match cmd {
                 Cmd::Add(entry, endpoint) => self.add(entry, endpoint),
                 Cmd::Remove(name, reply) => {
-                    if let Some(slot) = self.devs.iter().position(|d| d.as_ref().is_some_and(|d| d.entry.name == name))
-                    {
-                        self.drop_dev(slot);
+                    match self.devs.iter().position(|d| d.as_ref().is_some_and(|d| d.entry.name == name)) {
+                        Some(slot) => self.remove(slot, reply),
+                        None => {
+                            let _ = reply.send(());
+                        }
                     }
-                    let _ = reply.send(());
                 }
                 Cmd::Stop(reply) => {
+                    // Connections away come back first (however long
+                    // their backends take: a shutdown waits for them).
+                    self.stopping = true;
+                    while self.devs.iter().flatten().any(|d| d.away) {
+                        match self.back_rx.recv() {
+                            Ok(b) => self.handle_back(b),
+                            Err(_) => break,
+                        }
+                    }
                     for slot in 0..self.devs.len() {
                         self.drop_dev(slot);
                     }
@@ -226,7 +274,9 @@ impl Loop {
             self.devs.push(None);
             self.devs.len() - 1
         });
-        let dev = Dev { entry, endpoint, conn: None, retry_at: None };
+        self.next_id += 1;
+        let dev =
+            Dev { entry, endpoint, conn: None, retry_at: None, id: self.next_id, away: false, remove_after: None };
         let handed = match &dev.endpoint {
             Endpoint::Conn(s) => s.try_clone().ok(),
             _ => None,
@@ -352,10 +402,18 @@ impl Loop {
     /// Answers what device `slot`'s frontend sent.
     fn serve(&mut self, slot: usize, hup: bool) {
         let _span = self.span(slot);
+        let hold_slow = !self.stopping;
         let Some(Some(d)) = self.devs.get_mut(slot) else { return };
+        // Away: its events wait (it is served again on return).
         let Some(conn) = d.conn.as_mut() else { return };
         let hup = hup || crate::connection::hung_up(conn.stream());
-        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup)));
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, hold_slow)));
+        self.stepped(slot, step.map_err(|_| ()), hup);
+    }
+
+    /// Acts on what serving device `slot`'s connection came to.
+    fn stepped(&mut self, slot: usize, step: Result<Step, ()>, hup: bool) {
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
         let entry = d.entry.clone();
         match step {
             Ok(Step::Wait) => {}
@@ -365,7 +423,8 @@ impl Loop {
                 }
             }
             Ok(Step::End) => self.ended(slot),
-            Err(_) => {
+            Ok(Step::Slow) => self.send_away(slot, hup),
+            Err(()) => {
                 tracing::error!("device stopped serving: internal error (panic); see the log");
                 entry.fail("internal error (panic); see the log".into());
                 self.drop_dev(slot);
@@ -374,16 +433,157 @@ impl Loop {
         }
     }
 
+    /// Runs `job` on a thread that may wait, with device `slot`'s
+    /// connection (taken out of the device meanwhile); what it returns comes
+    /// back through `returned`. None: no thread could start, and the
+    /// connection is handed back to be served here.
+    fn go_away(&mut self, slot: usize, job: impl FnOnce(Conn, usize, u64) -> Back + Send + 'static) -> Option<Conn> {
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return None };
+        let conn = d.conn.take()?;
+        let (id, tx) = (d.id, self.back_tx.clone());
+        let Ok(wake) = self.wake.try_clone() else { return Some(conn) };
+        // Held here too, so a thread that cannot start gives it back.
+        let held = Arc::new(Mutex::new(Some(conn)));
+        let theirs = held.clone();
+        let name = d.entry.name.clone();
+        let spawned = std::thread::Builder::new().name("vhostd-fe-wait".into()).spawn(move || {
+            let _span = tracing::info_span!("dev", device = %name).entered();
+            let conn = theirs.lock().ok().and_then(|mut c| c.take());
+            if let Some(conn) = conn {
+                let _ = tx.send(job(conn, slot, id));
+                let _ = wake.write(1);
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("no thread to wait on the backend ({e}): waiting here");
+            return held.lock().ok().and_then(|mut c| c.take());
+        }
+        d.away = true;
+        None
+    }
+
+    /// Device `slot`'s next message may wait on the backend: it and the rest
+    /// of the burst are answered on a thread that may wait.
+    fn send_away(&mut self, slot: usize, hup: bool) {
+        let back = self.go_away(slot, move |mut conn, slot, id| {
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, false)));
+            Back::Served { slot, id, conn, step: step.map_err(|_| ()) }
+        });
+        if let Some(mut conn) = back {
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, false)));
+            if let Some(Some(d)) = self.devs.get_mut(slot) {
+                d.conn = Some(conn);
+            }
+            self.stepped(slot, step.map_err(|_| ()), hup);
+        }
+    }
+
+    /// Handles what threads that may wait brought back.
+    fn returned(&mut self) {
+        while let Ok(b) = self.back_rx.try_recv() {
+            self.handle_back(b);
+        }
+    }
+
+    fn handle_back(&mut self, b: Back) {
+        let (slot, id) = match &b {
+            Back::Served { slot, id, .. } | Back::Finished { slot, id, .. } => (*slot, *id),
+        };
+        let _span = self.span(slot);
+        let Some(Some(d)) = self.devs.get_mut(slot).filter(|d| d.as_ref().is_some_and(|d| d.id == id)) else {
+            // Cannot happen: a device away is never removed. Stop its rings.
+            if let Back::Served { conn, .. } = b {
+                conn.finish();
+            }
+            return;
+        };
+        d.away = false;
+        let removals = d.remove_after.take();
+        match b {
+            Back::Served { conn, step, .. } => {
+                d.conn = Some(conn);
+                if let Some(replies) = removals {
+                    return self.remove_now(slot, replies);
+                }
+                match step {
+                    // Events that came while it was away were not acted on.
+                    Ok(Step::Wait) | Ok(Step::More) | Ok(Step::Slow) => {
+                        if !self.ready.contains(&slot) {
+                            self.ready.push_back(slot);
+                        }
+                    }
+                    other => self.stepped(slot, other, false),
+                }
+            }
+            Back::Finished { panicked, .. } => {
+                if panicked {
+                    d.entry.fail("internal error (panic) ending a connection; see the log".into());
+                }
+                match removals {
+                    Some(replies) => self.remove_now(slot, replies),
+                    None => self.after_end(slot),
+                }
+            }
+        }
+    }
+
+    /// `vhostd ctl remove`: device `slot` goes, answered once it has (its
+    /// rings stopped: on a thread that may wait, if they may).
+    fn remove(&mut self, slot: usize, reply: Sender<()>) {
+        let Some(Some(d)) = self.devs.get_mut(slot) else {
+            let _ = reply.send(());
+            return;
+        };
+        if d.away {
+            d.remove_after.get_or_insert_with(Vec::new).push(reply);
+            return;
+        }
+        let fd = d.conn.as_ref().map(|c| c.stream().as_raw_fd());
+        let wait = !self.stopping && d.conn.as_ref().is_some_and(Conn::finish_may_wait);
+        if let (true, Some(fd)) = (wait, fd) {
+            self.ready.retain(|&s| s != slot);
+            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            match self.go_away(slot, finish_job) {
+                None => {
+                    if let Some(Some(d)) = self.devs.get_mut(slot) {
+                        d.remove_after = Some(vec![reply]);
+                    }
+                    return;
+                }
+                Some(conn) => finish_here(conn, self.devs[slot].as_ref()),
+            }
+        }
+        self.remove_now(slot, vec![reply]);
+    }
+
+    fn remove_now(&mut self, slot: usize, replies: Vec<Sender<()>>) {
+        self.drop_dev(slot);
+        for r in replies {
+            let _ = r.send(());
+        }
+    }
+
     /// Device `slot`'s connection ended: its rings stop; it waits for the
     /// next frontend (listening), connects again (--client), or ends (--fd).
     fn ended(&mut self, slot: usize) {
         let Some(Some(d)) = self.devs.get_mut(slot) else { return };
-        if let Some(c) = d.conn.take() {
-            let _ = self.epoll.ctl(ControlOperation::Delete, c.stream().as_raw_fd(), EpollEvent::default());
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.finish())).is_err() {
-                d.entry.fail("internal error (panic) ending a connection; see the log".into());
+        if let Some(fd) = d.conn.as_ref().map(|c| c.stream().as_raw_fd()) {
+            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            let wait = !self.stopping && d.conn.as_ref().is_some_and(Conn::finish_may_wait);
+            let here = if wait { self.go_away(slot, finish_job) } else { d.conn.take() };
+            match here {
+                // Finished on the thread: after_end on return.
+                None if wait => return,
+                None => {}
+                Some(conn) => finish_here(conn, self.devs[slot].as_ref()),
             }
         }
+        self.after_end(slot);
+    }
+
+    /// Device `slot` after its connection ended and its rings stopped.
+    fn after_end(&mut self, slot: usize) {
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
         d.entry.disconnected();
         let (listen, client) = (matches!(d.endpoint, Endpoint::Listen(..)), matches!(d.endpoint, Endpoint::Client(_)));
         if listen {
@@ -403,8 +603,8 @@ impl Loop {
         let _ = self.done.write(1);
     }
 
-    /// Stops serving device `slot`: its connection ends (rings stopped),
-    /// its endpoint goes (the socket file is removed).
+    /// Stops serving device `slot`: its connection ends (rings stopped,
+    /// waiting here), its endpoint goes (the socket file is removed).
     fn drop_dev(&mut self, slot: usize) {
         let Some(mut d) = self.devs.get_mut(slot).and_then(Option::take) else { return };
         self.ready.retain(|&s| s != slot);
@@ -417,5 +617,20 @@ impl Loop {
         }
         d.entry.disconnected();
         d.entry.ended.store(true, Ordering::Release);
+    }
+}
+
+/// Ends a connection on a thread that may wait (its rings stop).
+fn finish_job(conn: Conn, slot: usize, id: u64) -> Back {
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.finish())).is_err();
+    Back::Finished { slot, id, panicked }
+}
+
+/// Ends a connection here (its rings stop); a panic marks the device failed.
+fn finish_here(conn: Conn, dev: Option<&Dev>) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.finish())).is_err() {
+        if let Some(d) = dev {
+            d.entry.fail("internal error (panic) ending a connection; see the log".into());
+        }
     }
 }

@@ -1,9 +1,9 @@
 //! The seccomp filter vhostd installs once every device is set up
 //! (`--seccomp`, default `enforce`): from then on the process may make only
 //! the system calls its dataplane, its vhost-user sessions and its control
-//! threads need. Opening files (refused with EACCES), creating sockets other than Unix ones,
-//! exec, ptrace, mounting, loading BPF, changing credentials and the rest
-//! are gone; a guest or VMM that finds a bug in vhostd finds this too.
+//! threads need. Opening files (refused with EACCES), creating sockets
+//! other than Unix ones, new processes (threads only), exec, ptrace,
+//! mounting, loading BPF, changing credentials and the rest are gone; a guest or VMM that finds a bug in vhostd finds this too.
 //!
 //! open and openat are refused with EACCES rather than fatal (libraries
 //! may probe files and cope). `enforce` kills the process on any other violation (SECCOMP_RET_KILL_PROCESS:
@@ -207,6 +207,24 @@ fn filter(mode: SeccompMode, build: bool) -> io::Result<BpfProgram> {
         })
         .collect::<io::Result<_>>()?;
     rules.insert(libc::SYS_socket, socket);
+    if !build {
+        // Threads only (a message that may wait on a disk gets one:
+        // frontends.rs), not processes: clone with CLONE_THREAD. clone3's
+        // flags are behind a pointer the filter cannot read; it answers
+        // ENOSYS (below) and the C library falls back to clone.
+        let thread = libc::CLONE_THREAD as u64;
+        rules.insert(
+            libc::SYS_clone,
+            vec![SeccompRule::new(vec![SeccompCondition::new(
+                0,
+                SeccompCmpArgLen::Qword,
+                SeccompCmpOp::MaskedEq(thread),
+                thread,
+            )
+            .map_err(bad)?])
+            .map_err(bad)?],
+        );
+    }
     let mismatch = match mode {
         SeccompMode::Trap => SeccompAction::Trap,
         _ => SeccompAction::KillProcess,
@@ -228,6 +246,8 @@ fn filter(mode: SeccompMode, build: bool) -> io::Result<BpfProgram> {
         ins(0x15, 1, 0, libc::SYS_openat as u32),           // A == openat: to the return
         ins(0x15, 0, 1, libc::SYS_open as u32),             // A == open: to the return, else on
         ins(0x06, 0, 0, 0x0005_0000 | libc::EACCES as u32), // SECCOMP_RET_ERRNO | EACCES
+        ins(0x15, 0, 1, libc::SYS_clone3 as u32),           // A == clone3: to the return, else on
+        ins(0x06, 0, 0, 0x0005_0000 | libc::ENOSYS as u32), // SECCOMP_RET_ERRNO | ENOSYS
     ];
     out.extend(prog);
     Ok(out)
@@ -243,7 +263,7 @@ pub fn install(mode: SeccompMode, build: bool) -> io::Result<()> {
     }
     let prog = filter(mode, build)?;
     apply(mode, &prog)?;
-    let n = ALLOWED.len() + 2 + if build { BUILD.len() } else { 0 };
+    let n = ALLOWED.len() + 2 + if build { BUILD.len() } else { 1 };
     tracing::info!(
         "seccomp filter installed ({mode:?}): {n} system calls allowed{}",
         if build { ", with what adding a device needs (--control)" } else { "" }
@@ -367,6 +387,44 @@ mod tests {
     fn enforce_refuses_open_and_kills_on_other_calls() {
         let (status, _) = child_making_forbidden_calls(SeccompMode::Enforce);
         assert!(libc::WIFSIGNALED(status), "status {status:#x}");
+        assert_eq!(libc::WTERMSIG(status), libc::SIGSYS);
+    }
+
+    /// Threads yes, processes no: clone3 answers ENOSYS (so the C library
+    /// uses clone), clone with CLONE_THREAD gets past the filter (the
+    /// kernel then refuses these flags: EINVAL), and a fork is fatal.
+    #[test]
+    fn threads_are_allowed_and_processes_are_not() {
+        let prog = filter(SeccompMode::Enforce, false).unwrap();
+        // SAFETY: the child makes only async-signal-safe calls (prctl,
+        // seccomp, syscall, _exit): no allocation.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: in the child, as above.
+            unsafe {
+                if apply(SeccompMode::Enforce, &prog).is_err() {
+                    libc::_exit(2);
+                }
+                let errno = || *libc::__errno_location();
+                if libc::syscall(libc::SYS_clone3, std::ptr::null::<u8>(), 0usize) != -1 || errno() != libc::ENOSYS {
+                    libc::_exit(3);
+                }
+                // CLONE_THREAD without CLONE_SIGHAND: the kernel's EINVAL.
+                if libc::syscall(libc::SYS_clone, libc::CLONE_THREAD, 0usize, 0usize, 0usize, 0usize) != -1
+                    || errno() != libc::EINVAL
+                {
+                    libc::_exit(4);
+                }
+                // A new process: killed.
+                libc::syscall(libc::SYS_clone, libc::SIGCHLD, 0usize, 0usize, 0usize, 0usize);
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waitpid on our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFSIGNALED(status), "status {status:#x} (exit {})", libc::WEXITSTATUS(status));
         assert_eq!(libc::WTERMSIG(status), libc::SIGSYS);
     }
 

@@ -527,6 +527,13 @@ impl Session {
         Ok(region)
     }
 
+    /// Whether handling a message may wait on the backend: a ring runs on
+    /// a device whose requests complete asynchronously (blk), and stopping
+    /// it waits for the ones in flight (a hung disk: for as long as it hangs).
+    pub fn may_wait_on_backend(&self) -> bool {
+        self.dev.device.tracks_inflight() && self.vrings.iter().any(|v| v.running.is_some())
+    }
+
     /// Device status as GET_STATUS reports it (NEEDS_RESET once a ring broke).
     pub fn status(&self) -> u8 {
         let mut s = self.status;

@@ -528,10 +528,12 @@ fn tx_packets(d: &PoolDaemon, name: &str) -> Option<u64> {
 }
 
 /// A blk device whose disk hangs while its ring stops (its frontend went,
-/// as when QEMU stops a VM) must not hold the worker it shares: the
-/// other devices there keep moving frames, and the stop completes once
-/// the disk answers again. (A worker that waited for the disk in the
-/// stop would move nothing, and not answer the stats request either.)
+/// as when QEMU stops a VM) must not hold the worker it shares, nor the
+/// thread serving every device's socket: the other devices on the worker
+/// keep moving frames, a device added meanwhile is served, and the stop
+/// completes once the disk answers again. (A worker that waited for the
+/// disk would move nothing and not answer the stats request; a frontends
+/// thread that waited would never answer the new device's frontend.)
 #[test]
 fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
     let _one = serial();
@@ -564,10 +566,13 @@ fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
     {
         let mut blk = VirtioUser::connect(Options::blk(&b1)).unwrap();
         let cap = blk.blk_config().unwrap().capacity;
-        let mut qs = vec![blk.blk_queue(0, 16, 4096).unwrap()];
+        let mut qs = vec![blk.blk_queue(0, 64, 4096).unwrap()];
+        // More than the kernel's default io-wq workers (4 per CPU) hang.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let depth = (4 * cpus + 8).min(64) as u16;
         let w = Workload {
-            count: Some(8),
-            iodepth: 4,
+            count: Some(depth as u64 * 2),
+            iodepth: depth,
             stall_timeout: Duration::from_secs(1),
             ..Workload::new(Mode::RandRead, 4096)
         };
@@ -583,6 +588,36 @@ fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
         wait_until(T, || tx_packets(&d, "n1").is_some_and(|p| p >= before + 10_000)),
         "n1 stopped moving frames while b1's disk hung (at {before})"
     );
+    // The frontends thread is not waiting either: a device added now is
+    // served (its socket, its messages) while b1's ring still stops.
+    let n2 = d.add_net("n2", &["--backend", "loopback"]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let never = AtomicBool::new(false);
+        let _ = tx.send(loop_frames(&n2, 1000, &never));
+    });
+    assert_eq!(rx.recv_timeout(T), Ok(1000), "a device added while b1's disk hung was not served");
+    // Nor the other disks on the worker: b2 (a local file) writes,
+    // flushes and reads back while more of b1's reads hang than the
+    // kernel's default io-wq workers (4 per CPU) could carry, were each to
+    // hold one (FUSE's do not: they wait for the server without one).
+    let img = dir.join("b2.img");
+    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+    let b2 = d.path("b2.sock");
+    let b2_backend = format!("file,path={}", img.display());
+    d.ok(&["add", "blk", "--name", "b2", "--socket-path", b2.to_str().unwrap(), "--backend", &b2_backend]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let passed = (|| {
+            let mut blk = VirtioUser::connect(Options::blk(&b2)).ok()?;
+            let cap = blk.blk_config().ok()?.capacity;
+            let mut qs = vec![blk.blk_queue(0, 16, 4096).ok()?];
+            let w = Workload { seed: 5, count: Some(64), ..Workload::new(Mode::Verify, 4096) };
+            Some(workload::run(&mut qs, cap, &w, None).ok()?.passed())
+        })();
+        let _ = tx.send(passed);
+    });
+    assert_eq!(rx.recv_timeout(T), Ok(Some(true)), "b2 did not write and read back while b1's disk hung");
     assert!(d.stderr().contains("waiting for its requests in flight") && !d.stderr().contains("ring stopped"));
 
     // The disk answers again: the stop completes and b1 serves the next
