@@ -144,25 +144,17 @@ impl Conn {
     }
 
     /// Whether ending the connection now may wait on the backend (see
-    /// `Session::may_wait_on_backend`).
+    /// `Session::may_wait_on_backend`; also after a panic in the session).
     pub fn finish_may_wait(&self) -> bool {
-        self.session.lock().is_ok_and(|s| s.may_wait_on_backend())
+        self.session.lock().unwrap_or_else(|e| e.into_inner()).may_wait_on_backend()
     }
 
     /// Answers the whole messages waiting, at most `BURST`; `hup`: the
     /// frontend hung up (what it sent whole is still answered).
     /// `hold_slow`: stop before a message that may wait on the backend
-    /// (`Step::Slow`), and before the end of a connection that may.
+    /// (`Step::Slow`). (Ending the connection may wait too: the caller
+    /// asks `finish_may_wait`.)
     pub fn serve_ready(&mut self, hup: bool, hold_slow: bool) -> Step {
-        let step = self.serve_burst(hup, hold_slow);
-        if step == Step::End && hold_slow && self.finish_may_wait() {
-            // Ending it stops the rings: also for the thread that may wait.
-            return Step::Slow;
-        }
-        step
-    }
-
-    fn serve_burst(&mut self, hup: bool, hold_slow: bool) -> Step {
         for _ in 0..BURST {
             match next(&self.stream) {
                 Next::Closed => {

@@ -166,8 +166,17 @@ struct Dev {
     id: u64,
     /// Its connection is with a thread that may wait (`Back` returns it).
     away: bool,
-    /// Removals asked for while away: done, and answered, on return.
-    remove_after: Option<Vec<Sender<()>>>,
+    /// A removal asked for while away: done on return.
+    remove_after: Option<Removal>,
+}
+
+/// A device to drop once its rings have stopped.
+#[derive(Default)]
+struct Removal {
+    /// `ctl remove`s waiting for it.
+    replies: Vec<Sender<()>>,
+    /// It failed (a panic): the main loop hears of it when it is gone.
+    by_itself: bool,
 }
 
 /// What a thread that may wait brings back.
@@ -427,8 +436,7 @@ impl Loop {
             Err(()) => {
                 tracing::error!("device stopped serving: internal error (panic); see the log");
                 entry.fail("internal error (panic); see the log".into());
-                self.drop_dev(slot);
-                self.device_ended_by_itself();
+                self.remove_with(slot, Removal { replies: Vec::new(), by_itself: true });
             }
         }
     }
@@ -493,7 +501,7 @@ impl Loop {
         let Some(Some(d)) = self.devs.get_mut(slot).filter(|d| d.as_ref().is_some_and(|d| d.id == id)) else {
             // Cannot happen: a device away is never removed. Stop its rings.
             if let Back::Served { conn, .. } = b {
-                conn.finish();
+                finish_here(conn, None);
             }
             return;
         };
@@ -502,8 +510,10 @@ impl Loop {
         match b {
             Back::Served { conn, step, .. } => {
                 d.conn = Some(conn);
-                if let Some(replies) = removals {
-                    return self.remove_now(slot, replies);
+                if let Some(r) = removals {
+                    // Its rings may still run (a GET_VRING_BASE stops one):
+                    // the finish may wait again, on a thread again.
+                    return self.remove_with(slot, r);
                 }
                 match step {
                     // Events that came while it was away were not acted on.
@@ -520,7 +530,7 @@ impl Loop {
                     d.entry.fail("internal error (panic) ending a connection; see the log".into());
                 }
                 match removals {
-                    Some(replies) => self.remove_now(slot, replies),
+                    Some(r) => self.remove_now(slot, r),
                     None => self.after_end(slot),
                 }
             }
@@ -530,12 +540,22 @@ impl Loop {
     /// `vhostd ctl remove`: device `slot` goes, answered once it has (its
     /// rings stopped: on a thread that may wait, if they may).
     fn remove(&mut self, slot: usize, reply: Sender<()>) {
+        self.remove_with(slot, Removal { replies: vec![reply], by_itself: false });
+    }
+
+    /// Drops device `slot` once its rings have stopped (on a thread that
+    /// may wait, if they may), then answers `r`.
+    fn remove_with(&mut self, slot: usize, mut r: Removal) {
         let Some(Some(d)) = self.devs.get_mut(slot) else {
-            let _ = reply.send(());
+            for reply in r.replies {
+                let _ = reply.send(());
+            }
             return;
         };
         if d.away {
-            d.remove_after.get_or_insert_with(Vec::new).push(reply);
+            let later = d.remove_after.get_or_insert_with(Removal::default);
+            later.replies.append(&mut r.replies);
+            later.by_itself |= r.by_itself;
             return;
         }
         let fd = d.conn.as_ref().map(|c| c.stream().as_raw_fd());
@@ -546,20 +566,23 @@ impl Loop {
             match self.go_away(slot, finish_job) {
                 None => {
                     if let Some(Some(d)) = self.devs.get_mut(slot) {
-                        d.remove_after = Some(vec![reply]);
+                        d.remove_after = Some(r);
                     }
                     return;
                 }
                 Some(conn) => finish_here(conn, self.devs[slot].as_ref()),
             }
         }
-        self.remove_now(slot, vec![reply]);
+        self.remove_now(slot, r);
     }
 
-    fn remove_now(&mut self, slot: usize, replies: Vec<Sender<()>>) {
+    fn remove_now(&mut self, slot: usize, r: Removal) {
         self.drop_dev(slot);
-        for r in replies {
-            let _ = r.send(());
+        for reply in r.replies {
+            let _ = reply.send(());
+        }
+        if r.by_itself {
+            self.device_ended_by_itself();
         }
     }
 
