@@ -11,6 +11,7 @@
 //! gets an answer (never a panic).
 
 pub mod sense;
+pub mod wire;
 
 pub use sense::Sense;
 
