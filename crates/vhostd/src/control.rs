@@ -52,7 +52,7 @@ pub fn serve(path: &Path, entries: Registry) -> io::Result<SocketFile> {
 /// The longest request line (an `add` with every option fits easily).
 const MAX_REQUEST: u64 = 64 * 1024;
 
-fn answer(conn: UnixStream, daemon: &Daemon) -> io::Result<()> {
+fn answer(conn: UnixStream, daemon: &Registry) -> io::Result<()> {
     // A client that sends nothing must not hold the control thread.
     conn.set_read_timeout(Some(Duration::from_secs(2)))?;
     conn.set_write_timeout(Some(Duration::from_secs(2)))?;
@@ -61,16 +61,37 @@ fn answer(conn: UnixStream, daemon: &Daemon) -> io::Result<()> {
     let reply = match line.trim() {
         "stats" => serde_json::to_value(crate::snapshot::snapshot(daemon)).map_err(io::Error::other)?,
         l if l.starts_with('{') => match serde_json::from_str::<Value>(l) {
-            Ok(req) => match command(daemon, &req) {
-                Ok(v) => serde_json::json!({ "ok": v }),
-                Err(e) => serde_json::json!({ "error": e }),
-            },
+            // A removal waits until the device's rings have stopped, as
+            // long as a hung disk takes: on a thread of its own, so the
+            // control socket answers the rest meanwhile.
+            Ok(req) if req.get("command").and_then(Value::as_str) == Some("remove") => {
+                let (d, c) = (daemon.clone(), conn.try_clone()?);
+                let job = move || {
+                    let _ = reply_to(&c, command_json(&d, &req));
+                };
+                let spawned = std::thread::Builder::new().name("vhostd-ctl-rm".into()).spawn(job);
+                return spawned.map(|_| ());
+            }
+            Ok(req) => command_json(daemon, &req),
             Err(e) => serde_json::json!({ "error": format!("request: not JSON: {e}") }),
         },
         other => serde_json::json!({ "error": format!("unknown request '{other}' (known: stats, or a JSON command)") }),
     };
-    (&conn).write_all(reply.to_string().as_bytes())?;
-    (&conn).write_all(b"\n")
+    reply_to(&conn, reply)
+}
+
+/// A JSON command's answer: `{"ok": ...}` or `{"error": "..."}`.
+fn command_json(daemon: &Daemon, req: &Value) -> Value {
+    match command(daemon, req) {
+        Ok(v) => serde_json::json!({ "ok": v }),
+        Err(e) => serde_json::json!({ "error": e }),
+    }
+}
+
+fn reply_to(conn: &UnixStream, reply: Value) -> io::Result<()> {
+    let mut conn = conn;
+    conn.write_all(reply.to_string().as_bytes())?;
+    conn.write_all(b"\n")
 }
 
 /// One `vhostd ctl` command.

@@ -50,6 +50,9 @@ pub struct Place {
     pub worker: usize,
     /// Pinned there (`vhostd ctl pin`): the balancer leaves it.
     pub pinned: bool,
+    /// A ring of it is stopping (waiting for its requests in flight): it
+    /// does not move until that is done.
+    pub stopping: bool,
 }
 
 impl Pool {
@@ -122,7 +125,7 @@ impl Pool {
             if g < queues {
                 mine[w] += 1;
             }
-            out.push(Place { worker: w, pinned: false });
+            out.push(Place { worker: w, pinned: false, stopping: false });
         }
         out
     }

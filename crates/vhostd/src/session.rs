@@ -43,7 +43,8 @@ pub struct Served {
     /// Its queues (its first groups; groups past them: the net control queue).
     pub queues: usize,
     /// Group `g` runs on `pool.workers[places[g].worker]`. Held while a
-    /// ring is attached or detached, so a group never moves under it.
+    /// ring is attached, and while a detach is sent (the group is then
+    /// marked stopping until its answer), so a group never moves under it.
     places: Mutex<Vec<Place>>,
     /// State shared with the workers (NEEDS_RESET).
     pub run: Arc<RunState>,
@@ -89,11 +90,22 @@ impl Served {
         }
     }
 
-    /// Takes ring `slot` of group `group` back from its worker.
+    /// Takes ring `slot` of group `group` back from its worker. The wait
+    /// (for the ring's requests in flight: as long as a hung disk takes)
+    /// is made without the places lock, so `ctl list` and the balancer's
+    /// looks go on; the group is marked stopping, and does not move.
     fn detach(&self, group: usize, slot: usize) -> Option<Returned> {
-        let places = self.lock_places();
-        let p = places.get(group)?;
-        self.pool.workers[p.worker].detach(self.key(group), slot)
+        let worker = {
+            let mut places = self.lock_places();
+            let p = places.get_mut(group)?;
+            p.stopping = true;
+            p.worker
+        };
+        let back = self.pool.workers[worker].detach(self.key(group), slot);
+        if let Some(p) = self.lock_places().get_mut(group) {
+            p.stopping = false;
+        }
+        back
     }
 
     /// Moves group `group` to worker `to` with its rings running (pinned
@@ -110,6 +122,9 @@ impl Served {
         }
         if p.pinned && !pin {
             return Ok(());
+        }
+        if p.stopping {
+            return Err(format!("queue {group}: a ring of it is stopping (requests in flight); try again"));
         }
         if p.worker != to {
             let key = self.key(group);

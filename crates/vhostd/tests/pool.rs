@@ -588,6 +588,12 @@ fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
         wait_until(T, || tx_packets(&d, "n1").is_some_and(|p| p >= before + 10_000)),
         "n1 stopped moving frames while b1's disk hung (at {before})"
     );
+    // The control socket answers: b1 is listed; pinning its stopping
+    // queue is refused, to be tried again.
+    let l = d.list();
+    assert!(l["devices"].as_array().unwrap().iter().any(|x| x["name"] == "b1"), "{l}");
+    let err = d.refused(&["pin", "b1", "0", "0"]);
+    assert!(err.contains("stopping"), "{err}");
     // The frontends thread is not waiting either: a device added now is
     // served (its socket, its messages) while b1's ring still stops.
     let n2 = d.add_net("n2", &["--backend", "loopback"]);
@@ -629,10 +635,35 @@ fn a_hung_disk_stopping_holds_up_no_other_device_on_its_worker() {
     let mut qs = vec![blk.blk_queue(0, 16, 4096).unwrap()];
     let w = Workload { seed: 3, count: Some(64), ..Workload::new(Mode::Verify, 4096) };
     assert!(workload::run(&mut qs, cap, &w, None).unwrap().passed(), "b1 after its disk came back");
-    stop.store(true, Ordering::Relaxed);
-    assert!(traffic.join().unwrap() > 10_000);
+
+    // Removed while its disk hangs: answered once the disk is, with the
+    // device gone and the daemon serving the rest.
+    let held = disk.hold();
+    let w = Workload {
+        count: Some(8),
+        iodepth: 4,
+        stall_timeout: Duration::from_secs(1),
+        ..Workload::new(Mode::RandRead, 4096)
+    };
+    assert!(workload::run(&mut qs, cap, &w, None).is_err(), "reads completed on a held disk");
     drop(qs);
     drop(blk);
+    let stopping = |d: &PoolDaemon| d.stderr().matches("waiting for its requests in flight").count();
+    assert!(wait_until(T, || stopping(&d) == 2), "b1's ring did not start stopping again:\n{}", d.stderr());
+    let ctl = d.path("ctl");
+    let remove = std::thread::spawn(move || {
+        Command::new(VHOSTD).args(["ctl", "--control", ctl.to_str().unwrap(), "remove", "b1"]).output().unwrap()
+    });
+    assert!(tx_packets(&d, "n1").is_some(), "stats while b1's removal waits");
+    assert!(d.list()["devices"].as_array().is_some(), "list while b1's removal waits");
+    held.release();
+    let out = remove.join().unwrap();
+    assert!(out.status.success(), "ctl remove b1: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(!b1.exists(), "b1's socket left after its removal");
+    assert!(!d.list()["devices"].as_array().unwrap().iter().any(|x| x["name"] == "b1"));
+    assert!(d.alive(), "vhostd died; stderr:\n{}", d.stderr());
+    stop.store(true, Ordering::Relaxed);
+    assert!(traffic.join().unwrap() > 10_000);
     drop(d);
     drop(disk);
     let _ = std::fs::remove_dir_all(&dir);
