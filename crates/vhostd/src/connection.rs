@@ -126,7 +126,8 @@ enum Next {
     /// in one piece, so the rest is not coming (the `vhost` crate's short
     /// read refused it too).
     Short,
-    Whole,
+    /// A whole message, of this request code.
+    Whole(u32),
     Closed,
 }
 
@@ -170,8 +171,8 @@ impl Conn {
                     tracing::warn!("closing frontend connection: a message shorter than its header says");
                     return Step::End;
                 }
-                Next::Whole => {
-                    if hold_slow && self.next_may_wait() {
+                Next::Whole(req) => {
+                    if hold_slow && self.may_wait_on(req) {
                         return Step::Slow;
                     }
                     if unread(&self.stream) > MAX_UNREAD {
@@ -187,14 +188,10 @@ impl Conn {
         Step::More
     }
 
-    /// Whether the next message may wait on the backend: it is one that
-    /// can stop a ring, and a ring that can wait to stop runs.
-    fn next_may_wait(&self) -> bool {
-        let Some((req, ..)) = peek(&self.stream, &mut [0u8; HEADER]) else { return false };
-        if NEVER_STOP.iter().any(|r| *r as u32 == req) {
-            return false;
-        }
-        self.finish_may_wait()
+    /// Whether request `req` may wait on the backend: a ring that can wait
+    /// to stop runs, and `req` is one that can stop a ring.
+    fn may_wait_on(&self, req: u32) -> bool {
+        self.finish_may_wait() && !NEVER_STOP.iter().any(|r| *r as u32 == req)
     }
 
     /// Answers one whole message; false: the connection is over.
@@ -283,8 +280,9 @@ fn next(conn: &UnixStream) -> Next {
         return Next::Partial;
     }
     let size = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    let req = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
     if size > vhost::vhost_user::message::MAX_MSG_SIZE {
-        return Next::Whole;
+        return Next::Whole(req);
     }
     let mut avail: libc::c_int = 0;
     // SAFETY: FIONREAD writes one int, the bytes waiting in the socket.
@@ -292,7 +290,7 @@ fn next(conn: &UnixStream) -> Next {
         return Next::Closed;
     }
     match avail as usize {
-        n if n >= HEADER + size => Next::Whole,
+        n if n >= HEADER + size => Next::Whole(req),
         n if n > HEADER => Next::Short,
         _ => Next::Partial,
     }

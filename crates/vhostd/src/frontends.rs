@@ -416,8 +416,8 @@ impl Loop {
         // Away: its events wait (it is served again on return).
         let Some(conn) = d.conn.as_mut() else { return };
         let hup = hup || crate::connection::hung_up(conn.stream());
-        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, hold_slow)));
-        self.stepped(slot, step.map_err(|_| ()), hup);
+        let step = serve_caught(conn, hup, hold_slow);
+        self.stepped(slot, step, hup);
     }
 
     /// Acts on what serving device `slot`'s connection came to.
@@ -474,15 +474,15 @@ impl Loop {
     /// of the burst are answered on a thread that may wait.
     fn send_away(&mut self, slot: usize, hup: bool) {
         let back = self.go_away(slot, move |mut conn, slot, id| {
-            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, false)));
-            Back::Served { slot, id, conn, step: step.map_err(|_| ()) }
+            let step = serve_caught(&mut conn, hup, false);
+            Back::Served { slot, id, conn, step }
         });
         if let Some(mut conn) = back {
-            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, false)));
+            let step = serve_caught(&mut conn, hup, false);
             if let Some(Some(d)) = self.devs.get_mut(slot) {
                 d.conn = Some(conn);
             }
-            self.stepped(slot, step.map_err(|_| ()), hup);
+            self.stepped(slot, step, hup);
         }
     }
 
@@ -558,22 +558,11 @@ impl Loop {
             later.by_itself |= r.by_itself;
             return;
         }
-        let fd = d.conn.as_ref().map(|c| c.stream().as_raw_fd());
-        let wait = !self.stopping && d.conn.as_ref().is_some_and(Conn::finish_may_wait);
-        if let (true, Some(fd)) = (wait, fd) {
-            self.ready.retain(|&s| s != slot);
-            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
-            match self.go_away(slot, finish_job) {
-                None => {
-                    if let Some(Some(d)) = self.devs.get_mut(slot) {
-                        d.remove_after = Some(r);
-                    }
-                    return;
-                }
-                Some(conn) => finish_here(conn, self.devs[slot].as_ref()),
-            }
+        if self.end_conn(slot) {
+            self.remove_now(slot, r);
+        } else if let Some(Some(d)) = self.devs.get_mut(slot) {
+            d.remove_after = Some(r);
         }
-        self.remove_now(slot, r);
     }
 
     fn remove_now(&mut self, slot: usize, r: Removal) {
@@ -589,19 +578,29 @@ impl Loop {
     /// Device `slot`'s connection ended: its rings stop; it waits for the
     /// next frontend (listening), connects again (--client), or ends (--fd).
     fn ended(&mut self, slot: usize) {
-        let Some(Some(d)) = self.devs.get_mut(slot) else { return };
-        if let Some(fd) = d.conn.as_ref().map(|c| c.stream().as_raw_fd()) {
-            let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
-            let wait = !self.stopping && d.conn.as_ref().is_some_and(Conn::finish_may_wait);
-            let here = if wait { self.go_away(slot, finish_job) } else { d.conn.take() };
-            match here {
-                // Finished on the thread: after_end on return.
-                None if wait => return,
-                None => {}
-                Some(conn) => finish_here(conn, self.devs[slot].as_ref()),
+        // Else it finishes on a thread: after_end on its return.
+        if self.end_conn(slot) {
+            self.after_end(slot);
+        }
+    }
+
+    /// Ends device `slot`'s connection, if it has one: here, or, when
+    /// stopping its rings may wait on the backend, on a thread that may
+    /// wait (`Back::Finished` follows). True if done here.
+    fn end_conn(&mut self, slot: usize) -> bool {
+        let Some(Some(d)) = self.devs.get_mut(slot) else { return true };
+        let Some(fd) = d.conn.as_ref().map(|c| c.stream().as_raw_fd()) else { return true };
+        let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
+        self.ready.retain(|&s| s != slot);
+        let wait = !self.stopping && d.conn.as_ref().is_some_and(Conn::finish_may_wait);
+        let here = if wait { self.go_away(slot, finish_job) } else { d.conn.take() };
+        match here {
+            None => !wait,
+            Some(conn) => {
+                finish_here(conn, self.devs[slot].as_ref());
+                true
             }
         }
-        self.after_end(slot);
     }
 
     /// Device `slot` after its connection ended and its rings stopped.
@@ -641,6 +640,11 @@ impl Loop {
         d.entry.disconnected();
         d.entry.ended.store(true, Ordering::Release);
     }
+}
+
+/// Serves `conn` (`Conn::serve_ready`); Err: it panicked.
+fn serve_caught(conn: &mut Conn, hup: bool, hold_slow: bool) -> Result<Step, ()> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, hold_slow))).map_err(|_| ())
 }
 
 /// Ends a connection on a thread that may wait (its rings stop).

@@ -3,7 +3,8 @@
 //! the system calls its dataplane, its vhost-user sessions and its control
 //! threads need. Opening files (refused with EACCES), creating sockets
 //! other than Unix ones, new processes (threads only), exec, ptrace,
-//! mounting, loading BPF, changing credentials and the rest are gone; a guest or VMM that finds a bug in vhostd finds this too.
+//! mounting, loading BPF, changing credentials and the rest are gone; a
+//! guest or VMM that finds a bug in vhostd finds this too.
 //!
 //! open and openat are refused with EACCES rather than fatal (libraries
 //! may probe files and cope). `enforce` kills the process on any other violation (SECCOMP_RET_KILL_PROCESS:
@@ -240,6 +241,8 @@ fn filter(mode: SeccompMode, build: bool) -> io::Result<BpfProgram> {
     // open and openat fail with EACCES instead of killing: libraries may
     // try to read a file (glibc reads /proc/sys/vm/overcommit_memory when
     // it first trims a thread's heap) and cope with not being allowed.
+    // clone3 fails with ENOSYS: glibc then creates threads with clone,
+    // whose flags the rule above can check.
     let ins = |code: u16, jt: u8, jf: u8, k: u32| sock_filter { code, jt, jf, k };
     let mut out = vec![
         ins(0x20, 0, 0, 0),                                 // A = seccomp_data.nr

@@ -544,9 +544,9 @@ impl Worker {
                     let _ = reply.send(());
                 }
                 Cmd::Take { key, reply } => {
-                    // (The session holds a device's places while a ring of
-                    // it stops, so no move or retire takes a unit then.)
-                    self.finish_stops(Some(key));
+                    // (Not reached with a stop pending: a stopping group does
+                    // not move, and a device retires after its rings stopped.)
+                    self.finish_stops(key);
                     let _ = reply.send(self.take(key));
                 }
                 Cmd::Put { unit, reply } => {
@@ -555,7 +555,7 @@ impl Worker {
                 }
                 Cmd::Attach { key, slot, start, reply } => {
                     // (Never while the slot stops: the session waits for it.)
-                    self.finish_stops(Some(key));
+                    self.finish_stops(key);
                     self.attach(key, slot, *start);
                     let _ = reply.send(());
                 }
@@ -706,11 +706,10 @@ impl Worker {
         while i < self.stopping.len() {
             let (key, slot) = (self.stopping[i].0, self.stopping[i].1);
             if self.try_stop(key, slot) {
-                let (_, _, reply) = self.stopping.swap_remove(i);
                 if let Some(k) = self.unit_of(key) {
                     tracing::info!(device = %self.units[k].run.name, group = key.group, slot, "ring stopped");
                 }
-                let _ = reply.send(self.detach(key, slot));
+                self.end_stop(i);
             } else {
                 i += 1;
             }
@@ -720,18 +719,24 @@ impl Worker {
         }
     }
 
-    /// Ends the stops of group `key` (every group's: None) now, waiting for
-    /// their requests in flight.
-    fn finish_stops(&mut self, key: Option<GroupKey>) {
+    /// Ends the stops of group `key` now, waiting for their requests in
+    /// flight.
+    fn finish_stops(&mut self, key: GroupKey) {
         let mut i = 0;
         while i < self.stopping.len() {
-            if key.is_none_or(|k| k == self.stopping[i].0) {
-                let (key, slot, reply) = self.stopping.swap_remove(i);
-                let _ = reply.send(self.detach(key, slot));
+            if self.stopping[i].0 == key {
+                self.end_stop(i);
             } else {
                 i += 1;
             }
         }
+    }
+
+    /// Detaches the ring of pending stop `i` (waiting for anything of it
+    /// still in flight) and replies with it.
+    fn end_stop(&mut self, i: usize) {
+        let (key, slot, reply) = self.stopping.swap_remove(i);
+        let _ = reply.send(self.detach(key, slot));
     }
 
     fn detach(&mut self, key: GroupKey, slot: usize) -> Option<Returned> {
