@@ -433,6 +433,39 @@ fn cli_txonly_count_against_fake_backend() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--rate` offers that many frames per second, sent or (ring full)
+/// counted dropped, not as many as the backend would take.
+#[test]
+fn cli_rate_offers_frames_at_that_rate() {
+    let dir = std::env::temp_dir().join(format!("vhostd-user-rate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let server = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        serve(s).join().unwrap();
+    });
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vhostd-user"))
+        .args(["net", "--socket-path", path.to_str().unwrap(), "--mode", "txrx", "--rate", "0.05", "--duration", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "stdout {stdout} stderr {}", String::from_utf8_lossy(&out.stderr));
+    let val = |k: &str| -> u64 {
+        let kv = stdout
+            .split_whitespace()
+            .find(|w| w.starts_with(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("{k}: {stdout}"));
+        kv[k.len() + 1..].parse().unwrap()
+    };
+    // 50,000 frames due over the second (a little more or less as the
+    // run's end is checked every 256 passes).
+    let offered = val("tx_packets") + val("tx_dropped");
+    assert!((45_000..=55_000).contains(&offered), "offered {offered}: {stdout}");
+    server.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn cli_bad_arguments_exit_2_naming_the_argument() {
     let bin = env!("CARGO_BIN_EXE_vhostd-user");
@@ -442,6 +475,7 @@ fn cli_bad_arguments_exit_2_naming_the_argument() {
         (vec!["net", "--socket-path", "/x", "--mode", "echo", "--pkt-size", "9"], "--pkt-size"),
         (vec!["net", "--socket-path", "/x", "--mode", "echo", "--mrg-rxbuf", "maybe"], "--mrg-rxbuf"),
         (vec!["net", "--mode", "echo"], "--socket-path"),
+        (vec!["net", "--socket-path", "/x", "--mode", "txrx", "--rate", "0"], "--rate"),
     ] {
         let out = std::process::Command::new(bin).args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
