@@ -10,9 +10,14 @@
 //! backends: every input is a byte slice, and any byte pattern in it
 //! gets an answer (never a panic).
 
+#![forbid(unsafe_code)]
+
+pub mod device;
+pub mod queue;
 pub mod sense;
 pub mod wire;
 
+pub use device::{build, CtrlGroup, Lun, ReqGroup, ScsiDevice};
 pub use sense::Sense;
 
 /// Operation codes answered (SPC-4, SBC-3).

@@ -6,6 +6,7 @@ use std::io;
 use std::sync::Arc;
 
 use vhostd_blk::BlkDevice;
+use vhostd_block_backends::BlockSpec;
 use vhostd_device::Built;
 
 use crate::endpoint::{self, Endpoint};
@@ -61,6 +62,15 @@ pub fn build(spec: &DeviceSpec, pool: Option<&Arc<Pool>>) -> io::Result<(Arc<Ser
             dev.max_queue_size = dp.queue_size;
             (vhostd_blk::build(dev, backends, vhostd_blk::device::DEPTH), None)
         }
+        DeviceKind::Scsi { luns } => {
+            let dev = vhostd_scsi::ScsiDevice::new(&spec.name, dp.queues, dp.queue_size);
+            let (dev, built) = vhostd_scsi::build(dev)?;
+            for (n, backend) in luns {
+                let lun = open_lun(&spec.name, *n, backend, dp.queues)?;
+                dev.add_lun(lun).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("--lun {n}: {e}")))?;
+            }
+            (built, None)
+        }
     };
     let endpoint = endpoint::open(&spec.endpoint)?;
     let pool = match pool {
@@ -70,6 +80,21 @@ pub fn build(spec: &DeviceSpec, pool: Option<&Arc<Pool>>) -> io::Result<(Arc<Ser
     let Built { device, groups } = built;
     let served = Served::new(&spec.name, device, groups, dp.queues as usize, pool);
     Ok((Arc::new(served), endpoint, hold))
+}
+
+/// Opens unit `n`'s disk with one backend per request queue.
+pub fn open_lun(device: &str, n: u16, backend: &BlockSpec, queues: u16) -> io::Result<vhostd_scsi::Lun> {
+    let (disk, backends) = vhostd_block_backends::open(backend, queues as usize, vhostd_scsi::device::DEPTH)
+        .map_err(|e| io::Error::new(e.kind(), format!("--lun {n}={}: {e}", describe_block(backend))))?;
+    tracing::info!(
+        "scsi {device} LUN {n}: {}, {} bytes, block size {}, {}{}",
+        describe_block(backend),
+        disk.capacity,
+        disk.block_size.max(512),
+        if disk.read_only { "read-only" } else { "read-write" },
+        if disk.discard && !disk.read_only { ", unmap" } else { "" },
+    );
+    Ok(vhostd_scsi::Lun::new(device, n, disk, backends))
 }
 
 /// How the spec's wait mode runs on a worker.

@@ -28,8 +28,8 @@ use vhostd_block_backends::BlockSpec;
     arg_required_else_help = true
 )]
 pub struct Cli {
-    /// Serve every device of a TOML configuration file ([[net]] and [[blk]]
-    /// tables with the keys of `vhostd net|blk`'s options; see the README).
+    /// Serve every device of a TOML configuration file ([[net]], [[blk]] and [[scsi]]
+    /// tables with the keys of `vhostd net|blk|scsi`'s options; see the README).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Control socket for `vhostd stats` (created; removed on exit). For
@@ -137,6 +137,8 @@ pub enum Command {
     Net(NetArgs),
     /// Serve a virtio-blk device.
     Blk(BlkArgs),
+    /// Serve a virtio-scsi device: one target with units (--lun).
+    Scsi(ScsiArgs),
     /// Show a running vhostd's devices and queues: rates and totals, read
     /// from its control socket (--control).
     Stats(StatsArgs),
@@ -176,8 +178,8 @@ pub struct CtlArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum CtlCommand {
-    /// Add a device: `net|blk --name NAME` and the options of `vhostd
-    /// net|blk` (a --socket-path; no --fd). Nothing is left of a device
+    /// Add a device: `net|blk|scsi --name NAME` and the options of `vhostd
+    /// net|blk|scsi` (a --socket-path; no --fd). Nothing is left of a device
     /// that cannot be built.
     Add(CtlAdd),
     /// Remove a device: its frontend sees the socket close; every other
@@ -209,17 +211,17 @@ pub enum CtlCommand {
 
 #[derive(Args, Debug)]
 pub struct CtlAdd {
-    /// net|blk --name NAME --socket-path PATH ... (see `vhostd net --help`).
+    /// net|blk|scsi --name NAME --socket-path PATH ... (see `vhostd net --help`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true, value_name = "DEVICE")]
     pub words: Vec<String>,
 }
 
-/// A device from `vhostd ctl add`'s words: `net|blk`, `--name NAME`, and
-/// the options of `vhostd net|blk`, checked as the command line checks them.
+/// A device from `vhostd ctl add`'s words: `net|blk|scsi`, `--name NAME`, and
+/// the options of `vhostd net|blk|scsi`, checked as the command line checks them.
 pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
     let kind = words.first().map(String::as_str).unwrap_or("");
-    if kind != "net" && kind != "blk" {
-        return Err(format!("DEVICE '{kind}': expected net or blk, then --name NAME and its options"));
+    if !["net", "blk", "scsi"].contains(&kind) {
+        return Err(format!("DEVICE '{kind}': expected net, blk or scsi, then --name NAME and its options"));
     }
     let mut name = None;
     let mut argv = vec!["vhostd".to_string(), kind.to_string()];
@@ -238,7 +240,7 @@ pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
         _ => format!("vhostd ctl add {kind}: {}", crate::config::clap_message(&e)),
     })?;
     let args = DeviceArgs::from_command(parsed.command.take())
-        .ok_or_else(|| format!("DEVICE '{kind}': expected net or blk"))?;
+        .ok_or_else(|| format!("DEVICE '{kind}': expected net, blk or scsi"))?;
     let name = name.ok_or("--name: required (the device's name in `vhostd ctl list`, stats and metrics)")?;
     if !crate::config::valid_name(&name) {
         return Err(format!("--name '{name}': expected 1 to 32 letters, digits, '-', '_' or '.'"));
@@ -280,8 +282,9 @@ pub fn ctl_add_spec(words: &[String]) -> Result<spec::DeviceSpec, String> {
     }
     if matches!(&args, DeviceArgs::Net(a) if a.print_capabilities)
         || matches!(&args, DeviceArgs::Blk(a) if a.print_capabilities)
+        || matches!(&args, DeviceArgs::Scsi(a) if a.print_capabilities)
     {
-        return Err("--print-capabilities: run `vhostd net|blk --print-capabilities` instead".into());
+        return Err("--print-capabilities: run `vhostd net|blk|scsi --print-capabilities` instead".into());
     }
     args.check()?;
     Ok(args.to_spec(name))
@@ -299,6 +302,7 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 pub enum DeviceArgs {
     Net(NetArgs),
     Blk(BlkArgs),
+    Scsi(ScsiArgs),
 }
 
 impl DeviceArgs {
@@ -307,15 +311,17 @@ impl DeviceArgs {
         match command {
             Some(Command::Net(a)) => Some(DeviceArgs::Net(a)),
             Some(Command::Blk(a)) => Some(DeviceArgs::Blk(a)),
+            Some(Command::Scsi(a)) => Some(DeviceArgs::Scsi(a)),
             _ => None,
         }
     }
 
-    /// `net` or `blk`.
+    /// `net`, `blk` or `scsi`.
     pub fn kind(&self) -> &'static str {
         match self {
             DeviceArgs::Net(_) => "net",
             DeviceArgs::Blk(_) => "blk",
+            DeviceArgs::Scsi(_) => "scsi",
         }
     }
 
@@ -324,6 +330,7 @@ impl DeviceArgs {
         match self {
             DeviceArgs::Net(a) => a.socket_path.as_deref(),
             DeviceArgs::Blk(a) => a.socket_path.as_deref(),
+            DeviceArgs::Scsi(a) => a.socket_path.as_deref(),
         }
     }
 
@@ -332,6 +339,7 @@ impl DeviceArgs {
         match self {
             DeviceArgs::Net(a) => a.client,
             DeviceArgs::Blk(a) => a.client,
+            DeviceArgs::Scsi(a) => a.client,
         }
     }
 
@@ -340,6 +348,7 @@ impl DeviceArgs {
         match self {
             DeviceArgs::Net(a) => a.fd,
             DeviceArgs::Blk(a) => a.fd,
+            DeviceArgs::Scsi(a) => a.fd,
         }
     }
 
@@ -355,6 +364,10 @@ impl DeviceArgs {
                 endpoint(&a.socket_path, a.fd, a.client),
                 dataplane(a.queues, a.queue_size, a.poll, a.mode, a.poll_idle_us, &a.cpus),
             ),
+            DeviceArgs::Scsi(a) => (
+                endpoint(&a.socket_path, a.fd, a.client),
+                dataplane(a.queues, a.queue_size, a.poll, a.mode, a.poll_idle_us, &a.cpus),
+            ),
         };
         let device = match self {
             DeviceArgs::Net(a) => spec::DeviceKind::Net { backend: a.backend_kind(), mac: a.mac.0 },
@@ -363,6 +376,7 @@ impl DeviceArgs {
                 serial: a.serial.clone().unwrap_or_else(|| a.default_serial()),
                 option: if a.backend.is_some() { "--backend" } else { "--blk-file" },
             },
+            DeviceArgs::Scsi(a) => spec::DeviceKind::Scsi { luns: a.luns.iter().map(|l| (l.0, l.1.clone())).collect() },
         };
         spec::DeviceSpec { name, endpoint, dataplane, device }
     }
@@ -372,6 +386,7 @@ impl DeviceArgs {
         match self {
             DeviceArgs::Net(net) => net_check(net),
             DeviceArgs::Blk(_) => Ok(()),
+            DeviceArgs::Scsi(a) => scsi_check(a),
         }
     }
 }
@@ -749,6 +764,75 @@ pub struct BlkArgs {
     pub serial: Option<String>,
 }
 
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("endpoint").required(true).args(["socket_path", "fd"])))]
+pub struct ScsiArgs {
+    /// Unix socket to listen on for the vhost-user frontend (created; removed
+    /// on exit).
+    #[arg(long, value_name = "PATH")]
+    pub socket_path: Option<PathBuf>,
+    /// An already-connected vhost-user socket; vhostd serves it and exits
+    /// when it closes.
+    #[arg(long, value_name = "FDNUM", value_parser = parse_fd)]
+    pub fd: Option<i32>,
+    /// Print the vhost-user backend capabilities (JSON) and exit.
+    #[arg(long)]
+    pub print_capabilities: bool,
+    /// Connect to --socket-path instead of listening; reconnect every
+    /// second while it is not there or after it closes.
+    #[arg(long, requires = "socket_path")]
+    pub client: bool,
+    /// A logical unit: N=file,path=IMG[,readonly=on][,direct=on][,discard=on]
+    /// or N=null,size=SIZE, N from 0 to 16383 (the backends of `vhostd blk
+    /// --backend`). Give it once per unit.
+    #[arg(long = "lun", value_parser = parse_lun, value_name = "N=BACKEND", required_unless_present = "print_capabilities")]
+    pub luns: Vec<LunArg>,
+    /// Request queues (one dataplane thread each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub queues: u16,
+    /// Largest ring size the frontend may set (a power of two, 1..=32768).
+    #[arg(long, default_value_t = 1024, value_parser = parse_queue_size)]
+    pub queue_size: u16,
+    /// How dataplane threads wait for work (see `vhostd net --help`).
+    /// [default: adaptive]
+    #[arg(long, value_enum)]
+    pub mode: Option<WaitMode>,
+    /// Same as --mode poll.
+    #[arg(long, conflicts_with = "mode")]
+    pub poll: bool,
+    /// Adaptive mode: microseconds without work before sleeping
+    /// (1..=1000000). [default: 100]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub poll_idle_us: Option<u64>,
+    /// CPUs to pin the dataplane threads to, e.g. "0", "0,1" or "0-3".
+    #[arg(long, value_name = "LIST", value_parser = parse_cpus)]
+    pub cpus: Option<CpuList>,
+}
+
+/// One `--lun N=BACKEND`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LunArg(pub u16, pub BlockSpec);
+
+fn parse_lun(s: &str) -> Result<LunArg, String> {
+    let Some((n, backend)) = s.split_once('=') else {
+        return Err(format!("expected N=BACKEND (e.g. 0=file,path=disk.img or 1=null,size=1G), got '{s}'"));
+    };
+    let n = match n.parse::<u16>() {
+        Ok(n) if n <= vhostd_scsi::device::MAX_LUN => n,
+        _ => return Err(format!("LUN '{n}': expected a number from 0 to {}", vhostd_scsi::device::MAX_LUN)),
+    };
+    Ok(LunArg(n, parse_blk_backend(backend).map_err(|e| format!("LUN {n}: {e}"))?))
+}
+
+fn scsi_check(a: &ScsiArgs) -> Result<(), String> {
+    for (i, l) in a.luns.iter().enumerate() {
+        if a.luns[..i].iter().any(|m| m.0 == l.0) {
+            return Err(format!("--lun {}: LUN {} is given twice", l.0, l.0));
+        }
+    }
+    Ok(())
+}
+
 /// A descriptor number handed to us (0, 1 and 2 are stdio).
 fn parse_fd(s: &str) -> Result<i32, String> {
     match s.parse::<i32>() {
@@ -964,18 +1048,21 @@ pub fn parse() -> Cli {
     match prog.as_str() {
         "vhostd-net" => argv.insert(1, "net".into()),
         "vhostd-blk" => argv.insert(1, "blk".into()),
+        "vhostd-scsi" => argv.insert(1, "scsi".into()),
         _ => {}
     }
     if argv.iter().skip(2).any(|a| a == "--print-capabilities") {
         match argv.get(1).map(String::as_str) {
             Some("net") => print_and_exit(r#"{"type":"net"}"#),
             Some("blk") => print_and_exit(r#"{"type":"block","features":["read-only","blk-file"]}"#),
+            Some("scsi") => print_and_exit(r#"{"type":"scsi"}"#),
             _ => {}
         }
     }
     let cli = Cli::parse_from(&argv);
     let check = match &cli.command {
         Some(Command::Net(a)) => net_check(a),
+        Some(Command::Scsi(a)) => scsi_check(a),
         _ => Ok(()),
     };
     if let Err(e) = check {

@@ -1,5 +1,5 @@
 //! The configuration file (`vhostd --config FILE`): several devices in one
-//! daemon. Each `[[net]]` or `[[blk]]` table holds the same keys as that
+//! daemon. Each `[[net]]`, `[[blk]]` or `[[scsi]]` table holds the same keys as that
 //! device's command line options (`socket-path`, `backend`, `queues`,
 //! `mode`, `cpus`, ...) and goes through the same parser, so a file and a
 //! command line mean the same thing. Errors name the file, the line and the
@@ -28,6 +28,11 @@
 //! name = "disk0"
 //! socket-path = "/run/vhostd/disk0.sock"
 //! backend = "file,path=/var/lib/vhostd/disk0.img,discard=on"
+//!
+//! [[scsi]]
+//! name = "scsi0"
+//! socket-path = "/run/vhostd/scsi0.sock"
+//! lun = ["0=file,path=/var/lib/vhostd/a.img", "1=null,size=1G"]
 //! ```
 
 use std::collections::BTreeMap;
@@ -72,12 +77,14 @@ struct RawFile {
     net: Vec<Spanned<Table>>,
     #[serde(default)]
     blk: Vec<Spanned<Table>>,
+    #[serde(default)]
+    scsi: Vec<Spanned<Table>>,
 }
 
 /// Keys a device table may not have, and why.
 const NOT_IN_FILE: &[(&str, &str)] = &[
     ("fd", "a configuration file gives each device a socket-path (--fd is for one device started by a manager)"),
-    ("print-capabilities", "run `vhostd net|blk --print-capabilities` instead"),
+    ("print-capabilities", "run `vhostd net|blk|scsi --print-capabilities` instead"),
     ("help", "not an option"),
 ];
 
@@ -134,7 +141,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
         None => None,
     };
     let mut devices: Vec<(DeviceSpec, usize)> = Vec::new();
-    for (kind, tables) in [("net", &raw.net), ("blk", &raw.blk)] {
+    for (kind, tables) in [("net", &raw.net), ("blk", &raw.blk), ("scsi", &raw.scsi)] {
         for (i, table) in tables.iter().enumerate() {
             let dev = device(path, text, kind, i, table)?;
             devices.push((dev, table.span().start));
@@ -142,7 +149,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Config, String> {
     }
     if devices.is_empty() && raw.control.is_none() {
         return Err(format!(
-            "{}: no devices: add a [[net]] or [[blk]] table (or a `control` socket to add them at runtime)",
+            "{}: no devices: add a [[net]], [[blk]] or [[scsi]] table (or a `control` socket to add them at runtime)",
             path.display()
         ));
     }
@@ -245,6 +252,15 @@ fn device(path: &Path, text: &str, kind: &str, index: usize, table: &Spanned<Tab
             toml::Value::Integer(n) => argv.extend([format!("--{k}"), n.to_string()]),
             toml::Value::Boolean(true) => argv.push(format!("--{k}")),
             toml::Value::Boolean(false) => {}
+            // A repeated option (scsi's `lun = ["0=file,path=a.img", ...]`).
+            toml::Value::Array(items) => {
+                for item in items {
+                    match item {
+                        toml::Value::String(s) => argv.extend([format!("--{k}"), s.clone()]),
+                        _ => return Err(here("expected a string, or an array of strings".into())),
+                    }
+                }
+            }
             _ => return Err(here("expected a string, an integer or a boolean".into())),
         }
     }
@@ -274,7 +290,7 @@ fn device(path: &Path, text: &str, kind: &str, index: usize, table: &Spanned<Tab
         }
     };
     let parsed = cli::Cli::try_parse_args(&argv).map_err(fail)?;
-    let args = DeviceArgs::from_command(parsed.command).expect("argv names net or blk");
+    let args = DeviceArgs::from_command(parsed.command).expect("argv names net, blk or scsi");
     args.check().map_err(|e| format!("{file}:{table_line}: [[{kind}]] `{name}`: {e}"))?;
     if args.socket_path().is_none() {
         return Err(format!("{file}:{table_line}: [[{kind}]] `{name}`: key `socket-path` is required"));
@@ -354,6 +370,33 @@ backend = "null,size=1G"
         assert!(e.contains("device `net0` (with [dataplane]): --mode"), "{e}");
         // No devices and no control socket: nothing to serve.
         assert!(err("[dataplane]\n").contains("no devices"));
+    }
+
+    #[test]
+    fn scsi_units_are_an_array_of_lun_options() {
+        let c = parse(
+            Path::new("c.toml"),
+            "[[scsi]]\nsocket-path = \"/tmp/s.sock\"\nqueues = 2\nlun = [\"0=null,size=1M\", \"7=file,path=/tmp/a.img,readonly=on\"]\n",
+        )
+        .unwrap();
+        let d = &c.devices[0];
+        assert_eq!((d.name.as_str(), d.dataplane.queues), ("scsi0", 2));
+        match &d.device {
+            crate::spec::DeviceKind::Scsi { luns } => {
+                assert_eq!(luns.len(), 2);
+                assert_eq!(luns[0], (0, vhostd_block_backends::BlockSpec::Null { size: 1 << 20 }));
+                assert_eq!(luns[1].0, 7);
+            }
+            other => panic!("not scsi: {other:?}"),
+        }
+        let e = err("[[scsi]]\nsocket-path = \"/tmp/s\"\nlun = [\"0=null,size=1M\", \"0=null,size=2M\"]\n");
+        assert!(e.contains("[[scsi]] `scsi0`") && e.contains("LUN 0 is given twice"), "{e}");
+        let e = err("[[scsi]]\nsocket-path = \"/tmp/s\"\nlun = [0]\n");
+        assert!(e.contains(":3: [[scsi]] key `lun`: expected a string"), "{e}");
+        let e = err("[[scsi]]\nsocket-path = \"/tmp/s\"\nlun = \"16384=null,size=1M\"\n");
+        assert!(e.contains("key `lun`") && e.contains("from 0 to 16383"), "{e}");
+        let e = err("[[scsi]]\nsocket-path = \"/tmp/s\"\n");
+        assert!(e.contains("key `lun` is required"), "{e}");
     }
 
     #[test]

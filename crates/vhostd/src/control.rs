@@ -2,7 +2,7 @@
 //! one JSON line back:
 //! - `stats`: the counters of every device (`vhostd stats`);
 //! - a JSON object `{"command": ...}` (`vhostd ctl`): `add` with `args`
-//!   (the words after `vhostd ctl add`: `net|blk --name NAME ...`),
+//!   (the words after `vhostd ctl add`: `net|blk|scsi --name NAME ...`),
 //!   `remove` with `name`, `list`, `pin` with `name`, `queue` and `worker`,
 //!   `unpin` with `name` and `queue`, or `stats`. The answer is `{"ok": ...}` or `{"error": "..."}`.
 //!

@@ -29,7 +29,7 @@ fn main() -> ExitCode {
         None if args.config.is_none() => {
             // `vhostd --control PATH [--workers N ...]`: devices come at runtime.
             if args.control.is_none() {
-                eprintln!("vhostd: nothing to serve: give `net` or `blk`, --config FILE, or --control PATH to add devices with `vhostd ctl add`");
+                eprintln!("vhostd: nothing to serve: give `net`, `blk` or `scsi`, --config FILE, or --control PATH to add devices with `vhostd ctl add`");
                 return ExitCode::from(2);
             }
             (Vec::new(), cli_globals, args.log_format.unwrap_or(LogFormat::Text))
@@ -67,6 +67,7 @@ fn main() -> ExitCode {
         }
         Some(Command::Net(a)) => single(DeviceArgs::Net(a), cli_globals, args.log_format),
         Some(Command::Blk(a)) => single(DeviceArgs::Blk(a), cli_globals, args.log_format),
+        Some(Command::Scsi(a)) => single(DeviceArgs::Scsi(a), cli_globals, args.log_format),
         Some(Command::Ctl(c)) => {
             // Checked here first, so a mistake is shown with the options' help.
             if let cli::CtlCommand::Add(a) = &c.command {

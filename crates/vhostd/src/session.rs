@@ -618,6 +618,7 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_features(&mut self, features: u64) -> VuResult<()> {
         if features & !self.dev.features() != 0 {
+            tracing::warn!("SET_FEATURES {features:#x}: bits {:#x} were not offered", features & !self.dev.features());
             return Err(err("SET_FEATURES with features we did not offer"));
         }
         // A change (QEMU sends SET_FEATURES again, a hostile frontend drops

@@ -116,14 +116,20 @@ pub enum DeviceKind {
         /// The option that named the backend (for errors).
         option: &'static str,
     },
+    /// virtio-scsi: one target with these units (number, backend).
+    Scsi {
+        /// The units, as --lun gave them.
+        luns: Vec<(u16, BlockSpec)>,
+    },
 }
 
 impl DeviceKind {
-    /// `net` or `blk`.
+    /// `net`, `blk` or `scsi`.
     pub fn name(&self) -> &'static str {
         match self {
             DeviceKind::Net { .. } => "net",
             DeviceKind::Blk { .. } => "blk",
+            DeviceKind::Scsi { .. } => "scsi",
         }
     }
 }

@@ -285,7 +285,7 @@ fn ctl_errors_name_the_key_and_leave_nothing() {
     let e = d.refused(&["add", "net", "--socket-path", x, "--backend", "sink"]);
     assert!(e.contains("--name: required"), "{e}");
     let e = d.refused(&["add", "disk", "--name", "n2"]);
-    assert!(e.contains("expected net or blk"), "{e}");
+    assert!(e.contains("expected net, blk or scsi"), "{e}");
     // Descriptor numbers would name the daemon's own descriptors.
     let e = d.refused(&["add", "net", "--name", "n2", "--socket-path", x, "--backend", "tap,fd=4"]);
     assert!(e.contains("tap,fd=") && e.contains("ifname="), "{e}");

@@ -900,7 +900,37 @@ impl<'a> GuestBufs<'a> {
         out.hold(self.mem);
         true
     }
+
+    /// Makes the first `len` bytes of the buffers `out`'s reply, stored
+    /// when the request completes (`IoBufs::write_reply`; a virtio-scsi
+    /// response header). False when the buffers hold fewer bytes, the
+    /// reply would take more than [`MAX_REPLY_PIECES`] pieces, or `out`
+    /// holds buffers of another memory table.
+    pub fn lend_front(&self, len: usize, out: &mut IoBufs) -> bool {
+        if !out.can_hold(self.mem) || self.bytes() < len {
+            return false;
+        }
+        out.reply.clear();
+        let mut left = len;
+        for s in self.segs {
+            if left == 0 {
+                break;
+            }
+            if out.reply.len() == MAX_REPLY_PIECES {
+                out.reply.clear();
+                return false;
+            }
+            let take = (s.len as usize).min(left);
+            out.reply.push(Seg { addr: s.addr, len: take as u32 });
+            left -= take;
+        }
+        out.hold(self.mem);
+        true
+    }
 }
+
+/// Pieces a reply lent with [`GuestBufs::lend_front`] may lie in.
+pub const MAX_REPLY_PIECES: usize = 8;
 
 /// Guest buffers a request keeps after its batch: the data lent to the
 /// kernel for asynchronous I/O, and a status byte the device stores when
@@ -917,6 +947,8 @@ pub struct IoBufs {
     logged: bool,
     data: Vec<Seg>,
     status: Option<Seg>,
+    /// A reply stored at completion (`lend_front`); empty for most devices.
+    reply: Vec<Seg>,
 }
 
 // SAFETY: the raw pointers in the segments point into memory the held table
@@ -931,18 +963,19 @@ pub struct MemoryHold(#[allow(dead_code)] Arc<GuestMemory>);
 impl IoBufs {
     /// Empty (no allocation).
     pub const fn new() -> IoBufs {
-        IoBufs { mem: None, logged: false, data: Vec::new(), status: None }
+        IoBufs { mem: None, logged: false, data: Vec::new(), status: None, reply: Vec::new() }
     }
 
     /// Empty, with room for `n` data pieces.
     pub fn with_capacity(n: usize) -> IoBufs {
-        IoBufs { mem: None, logged: false, data: Vec::with_capacity(n), status: None }
+        IoBufs { mem: None, logged: false, data: Vec::with_capacity(n), status: None, reply: Vec::new() }
     }
 
     /// Whether buffers of `mem` may join: the ones held are of the same
     /// table, or there are none (one hold keeps them all mapped).
     fn can_hold(&self, mem: &Arc<GuestMemory>) -> bool {
-        self.mem.as_ref().is_none_or(|m| Arc::ptr_eq(m, mem)) || (self.data.is_empty() && self.status.is_none())
+        self.mem.as_ref().is_none_or(|m| Arc::ptr_eq(m, mem))
+            || (self.data.is_empty() && self.status.is_none() && self.reply.is_empty())
     }
 
     /// Holds `mem`, for buffers about to be added (`can_hold` said yes).
@@ -957,6 +990,7 @@ impl IoBufs {
     pub fn clear(&mut self) {
         self.data.clear();
         self.status = None;
+        self.reply.clear();
     }
 
     /// Lets go of every buffer and of the memory table.
@@ -1006,6 +1040,30 @@ impl IoBufs {
                 mem.dirty(s.addr, s.len as usize);
             }
         }
+    }
+
+    /// Stores `bytes` at the start of the reply (`lend_front`), as much
+    /// as it holds. Returns the bytes stored (0: no reply lent).
+    pub fn write_reply(&self, bytes: &[u8]) -> usize {
+        let mut done = 0;
+        for s in &self.reply {
+            if done == bytes.len() {
+                break;
+            }
+            let n = (s.len as usize).min(bytes.len() - done);
+            // SAFETY: the reply segments lie inside buffers of the held
+            // memory table (lend_front), which keeps them mapped; n is at
+            // most the segment's length, and `bytes` is ours, not guest
+            // memory, so the two cannot overlap.
+            unsafe { copy_bytes(bytes[done..].as_ptr(), s.addr, n) };
+            if self.logged {
+                if let Some(mem) = &self.mem {
+                    mem.dirty(s.addr, n);
+                }
+            }
+            done += n;
+        }
+        done
     }
 
     /// Stores the status byte; false if none is set.
@@ -1714,6 +1772,31 @@ mod tests {
         assert_eq!(Arc::strong_count(&mem), held, "release lets go of the table");
         io.renew_hold(&mut hold);
         assert!(hold.is_none(), "nothing lent: no hold");
+    }
+
+    #[test]
+    fn a_reply_lent_across_pieces_is_stored_whole_and_no_further() {
+        let mem = table();
+        let segs = segs_at(&mem, &[3, 5, 64]);
+        let v = GuestBufs::new(&segs, &mem);
+        let mut io = IoBufs::new();
+        assert!(!v.lend_front(73, &mut io), "more than the buffers hold");
+        assert!(v.lend_front(10, &mut io));
+        assert!(v.lend(10, usize::MAX, 4, 4096, &mut io));
+        assert_eq!(io.data_len(), 62, "data starts after the reply");
+        let bytes: Vec<u8> = (1..=12).collect();
+        assert_eq!(io.write_reply(&bytes), 10, "cut to the reply's length");
+        let mut got = [0u8; 72];
+        assert_eq!(v.read(0, &mut got), 72);
+        assert_eq!(&got[..10], &bytes[..10]);
+        assert_eq!(got[10], 0xEE, "the data is untouched");
+        let many: Vec<u32> = vec![1; MAX_REPLY_PIECES + 1];
+        let segs = segs_at(&mem, &many);
+        let v = GuestBufs::new(&segs, &mem);
+        io.clear();
+        assert!(v.lend_front(MAX_REPLY_PIECES, &mut io));
+        assert!(!v.lend_front(MAX_REPLY_PIECES + 1, &mut io), "too many pieces");
+        assert_eq!(io.write_reply(&[1]), 0, "a refused reply is not kept");
     }
 
     #[test]

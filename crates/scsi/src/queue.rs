@@ -1,0 +1,781 @@
+//! One virtio-scsi request queue: commands popped from its ring, answered
+//! by the target (crate root) or run on the backend of the unit they
+//! address, and completed as they finish, in any order.
+//!
+//! A request is one chain: the 51-byte request header and any data-out
+//! (device-readable), then the 108-byte response header and any data-in
+//! (device-writable). Everything in it comes from the guest and is
+//! checked; a chain with no room for a response is returned with length 0
+//! and counted.
+//!
+//! Each request queue has a backend of its own for every unit (an
+//! io_uring per unit per queue, as blk has one per queue), so no lock is
+//! taken in the data path. A request's backend tag is its slot; an UNMAP
+//! with several ranges queues one backend request per range under the same
+//! tag and completes when the last one does.
+
+use std::os::unix::io::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vhostd_block_backends::{BlockBackend, Completion, Op, Request};
+use vhostd_device::InflightLog;
+use virtq::{Access, Batch, GuestBufs, IoBufs, Queue};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use crate::device::{Board, ScsiDevice, TmfState};
+use crate::wire::{response, CmdReq, CmdResp, REQ_LEN, RESP_LEN, SENSE_SIZE};
+use crate::Lun;
+use crate::{execute, op, parse_virtio_lun, report_luns, status, Action, Sense};
+
+/// Data pieces a request may have (advertised as seg_max, with room for
+/// an unaligned buffer's extra page: the file backend takes 256).
+pub const SEG_MAX: u32 = 254;
+/// The most bytes one READ or WRITE may move (VPD 0xb0 and max_sectors):
+/// 128 pages, so a buffer of them spans at most SEG_MAX pieces.
+pub const MAX_TRANSFER: u32 = 512 << 10;
+/// SCSI status TASK SET FULL: the unit's backend has no room now (the
+/// initiator retries).
+const TASK_SET_FULL: u8 = 0x28;
+
+/// Counters of one request queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScsiStats {
+    /// Commands answered (every opcode).
+    pub commands: u64,
+    pub reads: u64,
+    pub writes: u64,
+    pub flushes: u64,
+    pub unmaps: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Commands answered CHECK CONDITION.
+    pub check_conditions: u64,
+    /// Commands for a LUN the target does not have, or another target.
+    pub bad_lun: u64,
+    /// Responses OVERRUN: data buffers smaller than the command's transfer.
+    pub overruns: u64,
+    /// Chains with no room for a response: returned with length 0.
+    pub no_response: u64,
+    /// Backend completions with an error.
+    pub backend_errors: u64,
+    /// Requests answered ABORTED or RESET by task management.
+    pub aborted: u64,
+    /// Passes that popped or completed something.
+    pub batches: u64,
+    /// Most requests in flight at once.
+    pub max_in_flight: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Free,
+    /// With the backend: `pending` backend requests left.
+    Running,
+    /// Finished; its response is stored at the end of the pass.
+    Done,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Other,
+    Read,
+    Write,
+}
+
+/// A request in flight.
+struct Slot {
+    stage: Stage,
+    head: u16,
+    /// The unit addressed and the command's tag, for task management.
+    unit: u16,
+    id: u64,
+    kind: Kind,
+    /// Backend requests not yet completed.
+    pending: u32,
+    /// A flush follows the write (FUA).
+    then_flush: bool,
+    failed: bool,
+    /// Task management's verdict: answered with this response instead
+    /// (ABORTED, RESET), whatever the backend did.
+    aborted: Option<u8>,
+    response: u8,
+    status: u8,
+    sense: Option<Sense>,
+    descriptor_sense: bool,
+    residual: u32,
+    /// Bytes written into the chain: the response header and data-in.
+    used_len: u32,
+    bytes: u64,
+    /// The response header (reply) and the data lent to the backend.
+    io: IoBufs,
+}
+
+/// A unit as one request queue runs it: the target's view, this queue's
+/// backend for it, and its requests in flight here.
+struct Unit {
+    lun: Arc<Lun>,
+    backend: Box<dyn BlockBackend>,
+    in_flight: usize,
+}
+
+/// One request queue's units, requests in flight and counters.
+pub struct ScsiQueue {
+    /// The queue's index among the request queues (task management).
+    index: usize,
+    units: Vec<Unit>,
+    /// The device's unit table generation this queue's `units` follow.
+    units_gen: u64,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    done: Vec<u32>,
+    completions: Vec<Completion>,
+    inflight: Option<InflightLog>,
+    batch_heads: Vec<u16>,
+    /// The task-management generation last looked at.
+    tmf_seen: u64,
+    /// Task management this queue has yet to report done.
+    tmf_waiting: bool,
+    /// Bytes of UNMAP or WRITE SAME parameter data (a reused buffer).
+    param: Vec<u8>,
+    /// Readable when any unit's backend has completions: the queue's one
+    /// event descriptor, whatever units come and go.
+    epoll: Epoll,
+    pub stats: ScsiStats,
+}
+
+/// The byte offset of `lba` if `blocks` from it fit (the target checked
+/// the range; this only keeps the arithmetic from overflowing).
+fn offset_of(lba: u64, blocks: u64, block_size: u32) -> Option<(u64, u64)> {
+    let off = lba.checked_mul(block_size as u64)?;
+    let len = blocks.checked_mul(block_size as u64)?;
+    off.checked_add(len)?;
+    Some((off, len))
+}
+
+impl ScsiQueue {
+    /// Request queue `index` with at most `depth` requests in flight.
+    pub fn new(index: usize, depth: usize) -> std::io::Result<ScsiQueue> {
+        let depth = depth.clamp(1, u16::MAX as usize);
+        let slots = (0..depth)
+            .map(|_| Slot {
+                stage: Stage::Free,
+                head: 0,
+                unit: 0,
+                id: 0,
+                kind: Kind::Other,
+                pending: 0,
+                then_flush: false,
+                failed: false,
+                aborted: None,
+                response: 0,
+                status: 0,
+                sense: None,
+                descriptor_sense: false,
+                residual: 0,
+                used_len: 0,
+                bytes: 0,
+                io: IoBufs::with_capacity(SEG_MAX as usize),
+            })
+            .collect();
+        Ok(ScsiQueue {
+            index,
+            units: Vec::new(),
+            units_gen: u64::MAX,
+            slots,
+            free: (0..depth as u32).rev().collect(),
+            done: Vec::with_capacity(depth),
+            completions: Vec::with_capacity(depth),
+            inflight: None,
+            batch_heads: Vec::with_capacity(depth),
+            tmf_seen: 0,
+            tmf_waiting: false,
+            param: Vec::new(),
+            epoll: Epoll::new()?,
+            stats: ScsiStats::default(),
+        })
+    }
+
+    /// The descriptor that wakes a sleeping worker for completions.
+    pub fn event_fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    /// Adds a backend's completion descriptor to the queue's epoll set.
+    fn watch(&self, fd: RawFd) {
+        if let Err(e) = self.epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, fd as u64)) {
+            tracing::warn!(
+                queue = self.index,
+                "cannot watch a unit's completions ({e}): they are seen on the next kick"
+            );
+        }
+    }
+
+    /// Requests popped and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Whether any unit's backend is finished by the kernel (has a
+    /// completion descriptor).
+    pub fn completes_elsewhere(&self) -> bool {
+        self.units.iter().any(|u| u.backend.completion_fd().is_some())
+    }
+
+    /// Consumes the backends' wake-ups.
+    pub fn ack_completion_events(&mut self) {
+        for u in &mut self.units {
+            u.backend.ack_completion_event();
+        }
+    }
+
+    /// Backend submission calls, all units.
+    pub fn submit_calls(&self) -> u64 {
+        self.units.iter().map(|u| u.backend.stats().submit_calls).sum()
+    }
+
+    /// Takes the device's units that are new since the last look (their
+    /// backends for this queue), and lets go of removed ones once nothing
+    /// of theirs is in flight here. True if the units changed.
+    pub fn follow_units(&mut self, dev: &ScsiDevice) -> bool {
+        let gen = dev.units_gen.load(Ordering::Acquire);
+        if gen == self.units_gen {
+            return false;
+        }
+        let mut changed = false;
+        let table = dev.units.lock().unwrap_or_else(|e| e.into_inner());
+        let present = |u: &Unit| table.iter().any(|l| Arc::ptr_eq(l, &u.lun));
+        // A removed unit stays while requests of its own run here.
+        let before = self.units.len();
+        self.units.retain(|u| present(u) || u.in_flight > 0);
+        changed |= self.units.len() != before;
+        let lingering = self.units.iter().any(|u| !present(u));
+        for lun in table.iter() {
+            if self.units.iter().any(|u| Arc::ptr_eq(&u.lun, lun)) {
+                continue;
+            }
+            if let Some(backend) = lun.take_backend(self.index) {
+                if let Some(fd) = backend.completion_fd() {
+                    self.watch(fd);
+                }
+                self.units.push(Unit { lun: lun.clone(), backend, in_flight: 0 });
+                changed = true;
+            }
+        }
+        drop(table);
+        self.units.sort_by_key(|u| u.lun.number);
+        // Look again next pass while a removed unit still has requests.
+        if !lingering {
+            self.units_gen = gen;
+        }
+        changed
+    }
+
+    /// One pass: pops and starts new requests, then completes what the
+    /// backends finished. Returns requests started or completed.
+    pub fn process(&mut self, q: &mut Queue, batch: &mut Batch, dev: &ScsiDevice) -> usize {
+        let mut work = 0;
+        let room = self.free.len();
+        if room > 0 && !q.is_broken() {
+            let bad_before = q.stats().bad_chains;
+            let n = q.pop_batch(batch, room, Access::ReadThenWrite);
+            let rejected = (q.stats().bad_chains - bad_before) as usize;
+            if rejected > 0 {
+                q.publish_used();
+                if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
+                    log.batch_done(std::iter::empty(), sq.next_used());
+                }
+                work += rejected;
+            }
+            for chain in &batch.chains {
+                self.start(chain.head, batch.readable(chain), batch.writable(chain), dev);
+            }
+            if n > 0 {
+                self.submit();
+                work += n;
+                let at_backend = self.in_flight() - self.done.len();
+                self.stats.max_in_flight = self.stats.max_in_flight.max(at_backend as u64);
+            }
+        }
+        work += self.reap();
+        work += self.complete_done(q);
+        if self.tmf_waiting || dev.board.gen.load(Ordering::Acquire) != self.tmf_seen {
+            self.task_management(&dev.board);
+        }
+        if work > 0 {
+            self.stats.batches += 1;
+        }
+        work
+    }
+
+    /// Completes what the backends finished and starts nothing (a ring
+    /// that is stopping). Returns requests completed.
+    pub fn finish(&mut self, q: &mut Queue, dev: &ScsiDevice) -> usize {
+        let n = self.reap() + self.complete_done(q);
+        if self.tmf_waiting || dev.board.gen.load(Ordering::Acquire) != self.tmf_seen {
+            self.task_management(&dev.board);
+        }
+        n
+    }
+
+    /// Task management while no ring runs: nothing is in flight, so every
+    /// request names nothing here.
+    pub fn idle_task_management(&mut self, dev: &ScsiDevice) {
+        if self.tmf_waiting || dev.board.gen.load(Ordering::Acquire) != self.tmf_seen {
+            self.task_management(&dev.board);
+        }
+    }
+
+    fn submit(&mut self) {
+        for u in &mut self.units {
+            if u.in_flight > 0 {
+                u.backend.submit();
+            }
+        }
+    }
+
+    /// Starts logging requests in flight in `log` after resubmitting the
+    /// ones a previous backend left there (as blk does). Returns how many.
+    pub fn attach_inflight(
+        &mut self,
+        mut log: InflightLog,
+        q: &mut Queue,
+        batch: &mut Batch,
+        dev: &ScsiDevice,
+    ) -> usize {
+        let Queue::Split(sq) = q else { return 0 };
+        let used = sq.used_idx_in_memory();
+        let heads = log.recover(used);
+        sq.set_next_avail(used.wrapping_add(heads.len() as u16));
+        self.inflight = Some(log);
+        let mut n = 0;
+        let mut rejected = Vec::new();
+        for h in heads {
+            if self.free.is_empty() {
+                break;
+            }
+            batch.clear();
+            if !sq.repop(h, batch, Access::ReadThenWrite) {
+                rejected.push(h);
+                continue;
+            }
+            let chain = batch.chains[0];
+            self.start(chain.head, batch.readable(&chain), batch.writable(&chain), dev);
+            n += 1;
+        }
+        if n > 0 {
+            self.submit();
+        }
+        if !rejected.is_empty() {
+            q.publish_used();
+            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
+                log.batch_done(rejected.into_iter(), sq.next_used());
+            }
+        }
+        self.complete_done(q);
+        n
+    }
+
+    /// Stops logging (the ring is handed back).
+    pub fn detach_inflight(&mut self) {
+        self.inflight = None;
+    }
+
+    /// Waits for every request in flight and completes them (before the
+    /// ring is handed back or the memory table changes).
+    pub fn drain(&mut self, q: &mut Queue) {
+        for u in &mut self.units {
+            while u.backend.in_flight() > 0 {
+                u.backend.wait();
+                u.backend.reap(&mut self.completions);
+            }
+        }
+        self.reap_collected();
+        let mut lost = 0;
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if slot.stage == Stage::Running {
+                slot.stage = Stage::Done;
+                slot.failed = true;
+                self.done.push(i as u32);
+                lost += 1;
+            }
+        }
+        if lost > 0 {
+            tracing::warn!("ring stopped with {lost} request(s) the backend never completed: answered with an error");
+        }
+        self.complete_done(q);
+        for slot in &mut self.slots {
+            slot.io.release();
+        }
+        for u in &mut self.units {
+            u.in_flight = 0;
+            u.backend.release_memory();
+        }
+    }
+
+    /// Takes the backends' completions into their slots. Returns how many.
+    fn reap(&mut self) -> usize {
+        for u in &mut self.units {
+            if u.in_flight > 0 {
+                u.backend.reap(&mut self.completions);
+            }
+        }
+        self.reap_collected()
+    }
+
+    fn reap_collected(&mut self) -> usize {
+        let n = self.completions.len();
+        let mut resubmit = false;
+        for i in 0..n {
+            let c = self.completions[i];
+            let Some(slot) = self.slots.get_mut(c.tag as usize) else { continue };
+            if slot.stage != Stage::Running {
+                continue;
+            }
+            if c.result < 0 {
+                self.stats.backend_errors += 1;
+                slot.failed = true;
+            }
+            slot.pending = slot.pending.saturating_sub(1);
+            if slot.pending > 0 {
+                continue;
+            }
+            if slot.then_flush && !slot.failed {
+                slot.then_flush = false;
+                let req = Request { tag: c.tag, op: Op::Flush, offset: 0, len: 0, bufs: &IoBufs::new() };
+                if let Some(u) = self.units.iter_mut().find(|u| u.lun.number == slot.unit) {
+                    if u.backend.queue(&req).is_ok() {
+                        slot.pending = 1;
+                        resubmit = true;
+                        continue;
+                    }
+                }
+                slot.failed = true;
+            }
+            slot.stage = Stage::Done;
+            if let Some(u) = self.units.iter_mut().find(|u| u.lun.number == slot.unit) {
+                u.in_flight = u.in_flight.saturating_sub(1);
+            }
+            self.done.push(c.tag as u32);
+        }
+        self.completions.clear();
+        if resubmit {
+            self.submit();
+        }
+        n
+    }
+
+    /// Stores the responses and used entries of the finished requests with
+    /// one publish. Returns how many.
+    fn complete_done(&mut self, q: &mut Queue) -> usize {
+        let n = self.done.len();
+        for k in 0..n {
+            let i = self.done[k] as usize;
+            let slot = &mut self.slots[i];
+            if slot.kind == Kind::Read && slot.bytes > 0 {
+                slot.io.data_written();
+            }
+            if slot.failed && slot.aborted.is_none() {
+                // The backend failed: MEDIUM ERROR, nothing transferred.
+                slot.status = status::CHECK_CONDITION;
+                slot.sense = Some(match slot.kind {
+                    Kind::Read => Sense::UNRECOVERED_READ_ERROR,
+                    Kind::Write => Sense::WRITE_ERROR,
+                    Kind::Other => Sense::INTERNAL_TARGET_FAILURE,
+                });
+                slot.residual = slot.residual.saturating_add(slot.bytes.min(u32::MAX as u64) as u32);
+            }
+            if let Some(r) = slot.aborted {
+                slot.response = r;
+                self.stats.aborted += 1;
+            }
+            let ok = slot.response == response::OK && slot.status == status::GOOD;
+            if ok {
+                match slot.kind {
+                    Kind::Read => self.stats.bytes_read += slot.bytes,
+                    Kind::Write => self.stats.bytes_written += slot.bytes,
+                    Kind::Other => {}
+                }
+            }
+            if slot.status == status::CHECK_CONDITION {
+                self.stats.check_conditions += 1;
+            }
+            let used = if slot.used_len == 0 { 0 } else { write_response(slot) };
+            q.add_used_id(slot.head, used);
+            if let Some(log) = &mut self.inflight {
+                log.batch_add(slot.head);
+                self.batch_heads.push(slot.head);
+            }
+            slot.stage = Stage::Free;
+            slot.io.clear();
+            self.free.push(i as u32);
+        }
+        self.done.clear();
+        if n > 0 {
+            q.publish_used();
+            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
+                log.batch_done(self.batch_heads.drain(..), sq.next_used());
+            }
+            self.batch_heads.clear();
+        }
+        n
+    }
+
+    /// Parses one chain and starts it (or finishes it at once).
+    fn start(&mut self, head: u16, readable: GuestBufs<'_>, writable: GuestBufs<'_>, dev: &ScsiDevice) {
+        let Some(seq) = self.free.pop() else { return };
+        if let Some(log) = &mut self.inflight {
+            log.start(head);
+        }
+        self.done.push(seq);
+        self.stats.commands += 1;
+        let slot = &mut self.slots[seq as usize];
+        slot.head = head;
+        slot.io.clear();
+        slot.stage = Stage::Done;
+        slot.kind = Kind::Other;
+        slot.pending = 0;
+        slot.then_flush = false;
+        slot.failed = false;
+        slot.aborted = None;
+        slot.response = response::OK;
+        slot.status = status::GOOD;
+        slot.sense = None;
+        slot.residual = 0;
+        slot.bytes = 0;
+        slot.used_len = 0;
+        slot.unit = u16::MAX;
+        slot.id = 0;
+        // The response header: the first RESP_LEN writable bytes.
+        if writable.bytes() < RESP_LEN || !writable.lend_front(RESP_LEN, &mut slot.io) {
+            self.stats.no_response += 1;
+            return;
+        }
+        slot.used_len = RESP_LEN as u32;
+        let data_in = writable.bytes() - RESP_LEN;
+        let mut hdr = [0u8; REQ_LEN];
+        if readable.read(0, &mut hdr) < REQ_LEN {
+            // No whole request header: nothing to answer but the failure.
+            slot.response = response::FAILURE;
+            return;
+        }
+        let Some(req) = CmdReq::parse(&hdr) else { return };
+        let data_out = readable.bytes() - REQ_LEN;
+        slot.id = req.id;
+        // Every data byte is a residual until something moves it.
+        slot.residual = (data_in.max(data_out)).min(u32::MAX as usize) as u32;
+        let cdb = &req.cdb[..];
+        let unit = match parse_virtio_lun(&req.lun) {
+            Some((0, unit)) => unit,
+            _ => {
+                // Another target, or a LUN field not in virtio's form.
+                self.stats.bad_lun += 1;
+                slot.response = response::BAD_TARGET;
+                return;
+            }
+        };
+        slot.unit = unit;
+        let found = self.units.iter().position(|u| u.lun.number == unit);
+        let action = if cdb[0] == op::REPORT_LUNS {
+            let numbers = dev.lun_numbers();
+            report_luns(&numbers, cdb)
+        } else if let Some(k) = found {
+            let disk = &self.units[k].lun.disk;
+            slot.descriptor_sense = disk.descriptor_sense;
+            if matches!(cdb[0], op::UNMAP | op::WRITE_SAME_10 | op::WRITE_SAME_16) {
+                // Parameter data (UNMAP's list, WRITE SAME's block), bounded.
+                let n = data_out.min(8 + 16 * crate::MAX_UNMAP_DESCRIPTORS as usize).max(disk.block_size as usize);
+                self.param.resize(n.min(data_out), 0);
+                let got = readable.read(REQ_LEN, &mut self.param);
+                self.param.truncate(got);
+            } else {
+                self.param.clear();
+            }
+            execute(disk, cdb, &self.param)
+        } else {
+            self.stats.bad_lun += 1;
+            crate::no_such_unit(cdb)
+        };
+        match action {
+            Action::Data(v) => {
+                if v.len() > data_in {
+                    self.stats.overruns += 1;
+                    slot.response = response::OVERRUN;
+                    return;
+                }
+                let n = writable.write(RESP_LEN, &v);
+                slot.residual = (data_in - n).min(u32::MAX as usize) as u32;
+                slot.used_len += n as u32;
+            }
+            Action::Check(s) => {
+                slot.status = status::CHECK_CONDITION;
+                slot.sense = Some(s);
+            }
+            action => {
+                let Some(k) = found else { return };
+                let u = &mut self.units[k];
+                let bs = u.lun.disk.block_size;
+                // Backend requests it takes: one, or one per UNMAP range.
+                let needed = match &action {
+                    Action::Unmap(r) => r.iter().filter(|r| r.1 > 0).count(),
+                    _ => 1,
+                };
+                if needed == 0 {
+                    slot.residual = 0;
+                    return;
+                }
+                if needed > u.backend.room() {
+                    // The unit's backend is full now: the initiator retries.
+                    slot.status = TASK_SET_FULL;
+                    return;
+                }
+                let empty = IoBufs::new();
+                let mut queued = 0u32;
+                let mut queue = |op: Op, offset: u64, len: u64, bufs: &IoBufs| {
+                    let req = Request { tag: seq as u64, op, offset, len, bufs };
+                    if u.backend.queue(&req).is_ok() {
+                        queued += 1;
+                    }
+                };
+                match action {
+                    Action::Read { lba, blocks } => {
+                        self.stats.reads += 1;
+                        let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
+                        if (data_in as u64) < len {
+                            self.stats.overruns += 1;
+                            slot.response = response::OVERRUN;
+                            return;
+                        }
+                        if !writable.lend(RESP_LEN, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
+                            slot.status = status::CHECK_CONDITION;
+                            slot.sense = Some(Sense::INVALID_FIELD_IN_CDB);
+                            return;
+                        }
+                        slot.kind = Kind::Read;
+                        slot.bytes = len;
+                        slot.residual = (data_in as u64 - len).min(u32::MAX as u64) as u32;
+                        slot.used_len += len as u32;
+                        queue(Op::Read, off, len, &slot.io);
+                    }
+                    Action::Write { lba, blocks, fua } => {
+                        self.stats.writes += 1;
+                        let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
+                        if (data_out as u64) < len {
+                            self.stats.overruns += 1;
+                            slot.response = response::OVERRUN;
+                            return;
+                        }
+                        if !readable.lend(REQ_LEN, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
+                            slot.status = status::CHECK_CONDITION;
+                            slot.sense = Some(Sense::INVALID_FIELD_IN_CDB);
+                            return;
+                        }
+                        slot.kind = Kind::Write;
+                        slot.bytes = len;
+                        slot.residual = (data_out as u64 - len).min(u32::MAX as u64) as u32;
+                        slot.then_flush = fua || !u.lun.disk.write_cache;
+                        queue(Op::Write, off, len, &slot.io);
+                    }
+                    Action::Flush => {
+                        self.stats.flushes += 1;
+                        queue(Op::Flush, 0, 0, &empty);
+                    }
+                    Action::WriteZeroes { lba, blocks } => {
+                        self.stats.unmaps += 1;
+                        slot.residual = 0;
+                        let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
+                        queue(Op::WriteZeroes { unmap: false }, off, len, &empty);
+                    }
+                    Action::Unmap(ranges) => {
+                        self.stats.unmaps += 1;
+                        slot.residual = 0;
+                        for (lba, blocks) in ranges {
+                            if let Some((off, len)) = offset_of(lba, blocks as u64, bs) {
+                                if len > 0 {
+                                    queue(Op::Discard, off, len, &empty);
+                                }
+                            }
+                        }
+                    }
+                    // Answered above, without the backend.
+                    Action::Data(_) | Action::Check(_) => {}
+                }
+                if queued > 0 {
+                    // Ranges the backend refused fail the command once the rest are done.
+                    slot.failed = (queued as usize) < needed;
+                    slot.pending = queued;
+                    slot.stage = Stage::Running;
+                    u.in_flight += 1;
+                    self.done.pop();
+                } else {
+                    self.stats.backend_errors += 1;
+                    slot.failed = true;
+                }
+            }
+        }
+    }
+
+    /// Looks at the task-management board: marks this queue's requests a
+    /// new TMF names, and reports each TMF done here once none of them is
+    /// still in flight.
+    fn task_management(&mut self, board: &Board) {
+        self.tmf_seen = board.gen.load(Ordering::Acquire);
+        let mut tmfs = board.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut waiting = false;
+        let mut finished_any = false;
+        for t in tmfs.tmfs.iter_mut() {
+            if t.queues.get(self.index).is_none_or(|s| *s == TmfState::Done) {
+                continue;
+            }
+            let mut matching = 0;
+            for s in &mut self.slots {
+                if s.stage == Stage::Free || !t.names(s.unit, s.id) {
+                    continue;
+                }
+                if t.is_query() {
+                    t.found = true;
+                } else {
+                    if s.aborted.is_none() {
+                        s.aborted = Some(t.verdict());
+                    }
+                    if s.stage == Stage::Running {
+                        matching += 1;
+                    }
+                }
+            }
+            t.queues[self.index] = if matching == 0 {
+                finished_any = true;
+                TmfState::Done
+            } else {
+                waiting = true;
+                TmfState::Waiting
+            };
+        }
+        self.tmf_waiting = waiting;
+        if finished_any {
+            tmfs.wake_control();
+        }
+    }
+}
+
+/// Writes a finished request's response header; returns the used length.
+fn write_response(slot: &mut Slot) -> u32 {
+    let mut sense = [0u8; SENSE_SIZE];
+    let sense_len = match slot.sense {
+        Some(s) if slot.response == response::OK => s.write(slot.descriptor_sense, &mut sense),
+        _ => 0,
+    };
+    if slot.response != response::OK {
+        // A transport failure or abort: the command did not run as asked.
+        slot.status = status::GOOD;
+        slot.used_len = RESP_LEN as u32;
+    }
+    let resp = CmdResp::new(slot.response, slot.status, slot.residual, &sense[..sense_len]);
+    let bytes = resp.bytes();
+    slot.io.write_reply(&bytes[..12 + sense_len]);
+    if slot.status != status::GOOD {
+        // Data-in was not (all) delivered.
+        slot.used_len = RESP_LEN as u32;
+    }
+    slot.used_len
+}
