@@ -37,6 +37,8 @@ pub const MAX_LUN: u16 = 16383;
 pub struct Lun {
     pub number: u16,
     pub disk: Disk,
+    /// Unique for the life of the process (a number can be reused).
+    pub(crate) uid: u64,
     backends: Mutex<Vec<Option<Box<dyn BlockBackend>>>>,
 }
 
@@ -59,7 +61,9 @@ impl Lun {
             descriptor_sense: false,
             max_transfer_blocks: MAX_TRANSFER / block_size,
         };
-        Lun { number, disk, backends: Mutex::new(backends.into_iter().map(Some).collect()) }
+        static UIDS: AtomicU64 = AtomicU64::new(1);
+        let uid = UIDS.fetch_add(1, Ordering::Relaxed);
+        Lun { number, disk, uid, backends: Mutex::new(backends.into_iter().map(Some).collect()) }
     }
 
     /// Request queue `queue`'s backend, once.
@@ -185,6 +189,11 @@ impl ScsiDevice {
     /// The device's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Request queues (each unit has a backend per queue).
+    pub fn request_queues(&self) -> u16 {
+        self.queues
     }
 
     /// The units' numbers, ascending (REPORT LUNS).

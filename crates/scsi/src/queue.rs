@@ -89,6 +89,9 @@ struct Slot {
     head: u16,
     /// The unit addressed and the command's tag, for task management.
     unit: u16,
+    /// Which unit's backend runs it (a number may be removed and added
+    /// again while the old unit still finishes requests).
+    uid: u64,
     id: u64,
     kind: Kind,
     /// Backend requests not yet completed.
@@ -117,6 +120,8 @@ struct Unit {
     lun: Arc<Lun>,
     backend: Box<dyn BlockBackend>,
     in_flight: usize,
+    /// Gone from the device's table: finishing its requests here.
+    removed: bool,
 }
 
 /// One request queue's units, requests in flight and counters.
@@ -162,6 +167,7 @@ impl ScsiQueue {
                 stage: Stage::Free,
                 head: 0,
                 unit: 0,
+                uid: 0,
                 id: 0,
                 kind: Kind::Other,
                 pending: 0,
@@ -249,7 +255,10 @@ impl ScsiQueue {
         let before = self.units.len();
         self.units.retain(|u| present(u) || u.in_flight > 0);
         changed |= self.units.len() != before;
-        let lingering = self.units.iter().any(|u| !present(u));
+        for u in &mut self.units {
+            u.removed = !present(u);
+        }
+        let lingering = self.units.iter().any(|u| u.removed);
         for lun in table.iter() {
             if self.units.iter().any(|u| Arc::ptr_eq(&u.lun, lun)) {
                 continue;
@@ -258,7 +267,7 @@ impl ScsiQueue {
                 if let Some(fd) = backend.completion_fd() {
                     self.watch(fd);
                 }
-                self.units.push(Unit { lun: lun.clone(), backend, in_flight: 0 });
+                self.units.push(Unit { lun: lun.clone(), backend, in_flight: 0, removed: false });
                 changed = true;
             }
         }
@@ -443,7 +452,7 @@ impl ScsiQueue {
             if slot.then_flush && !slot.failed {
                 slot.then_flush = false;
                 let req = Request { tag: c.tag, op: Op::Flush, offset: 0, len: 0, bufs: &IoBufs::new() };
-                if let Some(u) = self.units.iter_mut().find(|u| u.lun.number == slot.unit) {
+                if let Some(u) = self.units.iter_mut().find(|u| u.lun.uid == slot.uid) {
                     if u.backend.queue(&req).is_ok() {
                         slot.pending = 1;
                         resubmit = true;
@@ -453,7 +462,7 @@ impl ScsiQueue {
                 slot.failed = true;
             }
             slot.stage = Stage::Done;
-            if let Some(u) = self.units.iter_mut().find(|u| u.lun.number == slot.unit) {
+            if let Some(u) = self.units.iter_mut().find(|u| u.lun.uid == slot.uid) {
                 u.in_flight = u.in_flight.saturating_sub(1);
             }
             self.done.push(c.tag as u32);
@@ -545,6 +554,7 @@ impl ScsiQueue {
         slot.bytes = 0;
         slot.used_len = 0;
         slot.unit = u16::MAX;
+        slot.uid = 0;
         slot.id = 0;
         // The response header: the first RESP_LEN writable bytes.
         if writable.bytes() < RESP_LEN || !writable.lend_front(RESP_LEN, &mut slot.io) {
@@ -575,7 +585,11 @@ impl ScsiQueue {
             }
         };
         slot.unit = unit;
-        let found = self.units.iter().position(|u| u.lun.number == unit);
+        // A unit removed but still finishing requests here takes no new ones.
+        let found = self.units.iter().position(|u| u.lun.number == unit && !u.removed);
+        if let Some(k) = found {
+            slot.uid = self.units[k].lun.uid;
+        }
         let action = if cdb[0] == op::REPORT_LUNS {
             let numbers = dev.lun_numbers();
             report_luns(&numbers, cdb)

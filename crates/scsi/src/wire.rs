@@ -73,9 +73,9 @@ pub mod event {
     pub const PARAM_CHANGE: u32 = 3;
     /// Set in an event when events were lost for want of a buffer.
     pub const EVENTS_MISSED: u32 = 0x8000_0000;
-    /// TRANSPORT_RESET reasons.
-    pub const RESCAN: u32 = 0;
-    pub const RESET: u32 = 1;
+    /// TRANSPORT_RESET reasons (VIRTIO_SCSI_EVT_RESET_*).
+    pub const HARD: u32 = 0;
+    pub const RESCAN: u32 = 1;
     pub const REMOVED: u32 = 2;
 }
 

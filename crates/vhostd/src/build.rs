@@ -16,7 +16,7 @@ use crate::spec::{describe_block, DataplaneSpec, DeviceKind, DeviceSpec, WaitSpe
 use crate::worker::Mode;
 
 /// What a device needs kept alive beside its workers (an AF_XDP program's
-/// attachment).
+/// attachment), or a handle on it (a scsi device's units).
 pub type Hold = Option<Box<dyn std::any::Any + Send>>;
 
 /// Builds the device `spec` describes: backends first (a TAP that cannot be
@@ -69,7 +69,8 @@ pub fn build(spec: &DeviceSpec, pool: Option<&Arc<Pool>>) -> io::Result<(Arc<Ser
                 let lun = open_lun(&spec.name, *n, backend, dp.queues)?;
                 dev.add_lun(lun).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("--lun {n}: {e}")))?;
             }
-            (built, None)
+            // The hold is the device itself: `ctl add-lun` reaches it there.
+            (built, Some(Box::new(dev) as Box<dyn std::any::Any + Send>))
         }
     };
     let endpoint = endpoint::open(&spec.endpoint)?;

@@ -207,6 +207,23 @@ pub enum CtlCommand {
         /// The queue.
         queue: u32,
     },
+    /// Add a unit to a scsi device while it runs: N=BACKEND as `vhostd scsi
+    /// --lun` takes it. A guest that negotiated hotplug sees it appear.
+    AddLun {
+        /// The scsi device's name.
+        name: String,
+        /// N=file,path=IMG[,readonly=on][,direct=on][,discard=on] or N=null,size=SIZE.
+        #[arg(value_parser = parse_lun, value_name = "N=BACKEND")]
+        lun: LunArg,
+    },
+    /// Remove a unit of a scsi device: new commands to it are refused, those
+    /// in flight finish. A guest that negotiated hotplug sees it go.
+    RemoveLun {
+        /// The scsi device's name.
+        name: String,
+        /// The unit's number.
+        lun: u16,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -813,7 +830,25 @@ pub struct ScsiArgs {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LunArg(pub u16, pub BlockSpec);
 
-fn parse_lun(s: &str) -> Result<LunArg, String> {
+impl std::fmt::Display for LunArg {
+    /// As `parse_lun` reads it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.1 {
+            BlockSpec::Null { size } => write!(f, "{}=null,size={size}", self.0),
+            BlockSpec::File { path, readonly, direct, discard } => {
+                write!(f, "{}=file,path={}", self.0, path.display())?;
+                for (on, k) in [(readonly, "readonly"), (direct, "direct"), (discard, "discard")] {
+                    if *on {
+                        write!(f, ",{k}=on")?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+pub fn parse_lun(s: &str) -> Result<LunArg, String> {
     let Some((n, backend)) = s.split_once('=') else {
         return Err(format!("expected N=BACKEND (e.g. 0=file,path=disk.img or 1=null,size=1G), got '{s}'"));
     };

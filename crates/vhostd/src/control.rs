@@ -4,7 +4,8 @@
 //! - a JSON object `{"command": ...}` (`vhostd ctl`): `add` with `args`
 //!   (the words after `vhostd ctl add`: `net|blk|scsi --name NAME ...`),
 //!   `remove` with `name`, `list`, `pin` with `name`, `queue` and `worker`,
-//!   `unpin` with `name` and `queue`, or `stats`. The answer is `{"ok": ...}` or `{"error": "..."}`.
+//!   `unpin` with `name` and `queue`, `add-lun` with `name` and `lun`
+//!   (`N=BACKEND`), `remove-lun` with `name` and `lun` (a number), or `stats`. The answer is `{"ok": ...}` or `{"error": "..."}`.
 //!
 //! The socket is created mode 0660: its owner and group may manage the
 //! daemon, which is as much as running it (a device added here opens what
@@ -135,7 +136,23 @@ fn command(daemon: &Daemon, req: &Value) -> Result<Value, String> {
             e.served.unpin(queue as usize).map_err(|m| format!("{m} (device `{name}`)"))?;
             Ok(serde_json::json!({ "unpinned": name, "queue": queue }))
         }
-        other => Err(format!("command `{other}`: expected add, remove, list, pin, unpin or stats")),
+        "add-lun" => {
+            let name = str_of("name")?;
+            let crate::cli::LunArg(n, backend) =
+                crate::cli::parse_lun(str_of("lun")?).map_err(|e| format!("--lun: {e}"))?;
+            daemon.add_lun(name, n, &backend)?;
+            Ok(serde_json::json!({ "added": name, "lun": n }))
+        }
+        "remove-lun" => {
+            let name = str_of("name")?;
+            let n = num_of("lun")?;
+            let n = u16::try_from(n).map_err(|_| format!("LUN {n}: expected a number from 0 to 16383"))?;
+            daemon.remove_lun(name, n)?;
+            Ok(serde_json::json!({ "removed": name, "lun": n }))
+        }
+        other => {
+            Err(format!("command `{other}`: expected add, remove, list, pin, unpin, add-lun, remove-lun or stats"))
+        }
     }
 }
 
@@ -214,6 +231,10 @@ pub fn run_ctl(args: &crate::cli::CtlArgs, control: Option<PathBuf>) -> io::Resu
             serde_json::json!({ "command": "pin", "name": name, "queue": queue, "worker": worker })
         }
         CtlCommand::Unpin { name, queue } => serde_json::json!({ "command": "unpin", "name": name, "queue": queue }),
+        CtlCommand::AddLun { name, lun } => {
+            serde_json::json!({ "command": "add-lun", "name": name, "lun": lun.to_string() })
+        }
+        CtlCommand::RemoveLun { name, lun } => serde_json::json!({ "command": "remove-lun", "name": name, "lun": lun }),
     };
     // Adding a device may take a while (an AF_XDP set-up, a large file).
     let v = request(&path, &req.to_string(), Duration::from_secs(60))?;
@@ -234,6 +255,8 @@ pub fn run_ctl(args: &crate::cli::CtlArgs, control: Option<PathBuf>) -> io::Resu
         CtlCommand::Remove { name } => println!("removed {name}"),
         CtlCommand::Pin { name, queue, worker } => println!("{name} queue {queue} pinned to worker {worker}"),
         CtlCommand::Unpin { name, queue } => println!("{name} queue {queue} unpinned"),
+        CtlCommand::AddLun { name, lun } => println!("{name} LUN {} added", lun.0),
+        CtlCommand::RemoveLun { name, lun } => println!("{name} LUN {lun} removed"),
     }
     Ok(())
 }

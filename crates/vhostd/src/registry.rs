@@ -11,7 +11,7 @@ use crate::session::Served;
 pub struct DeviceEntry {
     /// Its name (logs, stats, metrics).
     pub name: String,
-    /// `net` or `blk`.
+    /// `net`, `blk` or `scsi`.
     pub kind: &'static str,
     /// The socket path, or `fd N`.
     pub endpoint: String,
@@ -32,6 +32,12 @@ pub struct DeviceEntry {
 }
 
 impl DeviceEntry {
+    /// The scsi device, if this is one (its units change at runtime).
+    pub fn scsi(&self) -> Option<Arc<vhostd_scsi::ScsiDevice>> {
+        let hold = self.hold.lock().unwrap_or_else(|e| e.into_inner());
+        hold.as_ref()?.downcast_ref::<Arc<vhostd_scsi::ScsiDevice>>().cloned()
+    }
+
     /// An entry for a device not yet serving.
     pub fn new(
         name: String,

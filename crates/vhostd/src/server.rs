@@ -138,6 +138,41 @@ impl Daemon {
         Ok(reports)
     }
 
+    /// Adds unit `lun` to scsi device `name` while it runs (`vhostd ctl
+    /// add-lun`): its disk opened, one backend per request queue; a guest
+    /// that negotiated hotplug is told. Nothing is left of a unit that
+    /// cannot be opened.
+    pub fn add_lun(&self, name: &str, lun: u16, backend: &vhostd_block_backends::BlockSpec) -> Result<(), String> {
+        let _one = self.manage.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = self.scsi_device(name)?;
+        if dev.lun_numbers().contains(&lun) {
+            return Err(format!("LUN {lun}: device `{name}` has a unit {lun}"));
+        }
+        let _span = tracing::info_span!("dev", device = %name).entered();
+        let unit = build::open_lun(name, lun, backend, dev.request_queues()).map_err(|e| e.to_string())?;
+        dev.add_lun(unit).map_err(|e| format!("LUN {lun}: {e}"))?;
+        tracing::info!(lun, "unit added");
+        Ok(())
+    }
+
+    /// Removes unit `lun` of scsi device `name` (`vhostd ctl remove-lun`):
+    /// new commands to it are refused at once, those in flight finish, and
+    /// a guest that negotiated hotplug is told.
+    pub fn remove_lun(&self, name: &str, lun: u16) -> Result<(), String> {
+        let _one = self.manage.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = self.scsi_device(name)?;
+        if !dev.remove_lun(lun) {
+            return Err(format!("LUN {lun}: device `{name}` has no unit {lun}"));
+        }
+        tracing::info!(device = %name, lun, "unit removed");
+        Ok(())
+    }
+
+    fn scsi_device(&self, name: &str) -> Result<Arc<vhostd_scsi::ScsiDevice>, String> {
+        let e = self.devices.find(name).ok_or_else(|| format!("NAME {name}: no such device"))?;
+        e.scsi().ok_or_else(|| format!("NAME {name}: a {} device has no units (a scsi device has)", e.kind))
+    }
+
     /// Stops serving a device (its connection ends, its socket file goes),
     /// takes its groups off the workers and drops it.
     fn unlist(&self, name: &str) -> Vec<WorkerReport> {
