@@ -21,12 +21,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub mod device;
 pub mod wire;
 pub use device::{build, BlkGroup};
+use vhostd_device::RequestRing;
 pub use vhostd_device::{inflight, InflightLog};
 pub use wire::{features, status, types, CONFIG_LEN, HEADER_LEN, ID_LEN, SECTOR};
 
 use vhostd_block_backends::{BlockBackend, Completion, DiskInfo, Op, Request};
 use virtq::ring::MAX_QUEUE_SIZE;
-use virtq::{Access, Batch, GuestBufs, IoBufs, Queue};
+use virtq::{Batch, GuestBufs, IoBufs, Queue};
 
 /// Data segments a request may have (advertised as seg_max).
 pub const SEG_MAX: u32 = 128;
@@ -189,10 +190,8 @@ pub struct BlkQueue {
     /// Slots whose request has finished, to be completed.
     done: Vec<u32>,
     completions: Vec<Completion>,
-    /// The shared log of requests in flight (split rings, when the
-    /// frontend gave one), and the heads of the batch being completed.
-    inflight: Option<InflightLog>,
-    batch_heads: Vec<u16>,
+    /// Popping, completing and the inflight log.
+    ring: RequestRing,
     /// The device's counters.
     pub stats: BlkStats,
     completes_elsewhere: bool,
@@ -225,8 +224,7 @@ impl BlkQueue {
             free: (0..depth as u32).rev().collect(),
             done: Vec::with_capacity(depth),
             completions: Vec::with_capacity(depth),
-            inflight: None,
-            batch_heads: Vec::with_capacity(depth),
+            ring: RequestRing::new(depth),
             stats: BlkStats::default(),
             max_piece: SIZE_MAX as usize,
         }
@@ -270,19 +268,8 @@ impl BlkQueue {
         let mut work = 0;
         let room = self.free.len().min(self.backend.room());
         if room > 0 && !q.is_broken() {
-            let bad_before = q.stats().bad_chains;
-            let n = q.pop_batch(batch, room, Access::ReadThenWrite);
-            // Chains the ring rejected already have a used entry (length 0):
-            // publish it now, or an otherwise idle driver waits for ever.
-            let rejected = (q.stats().bad_chains - bad_before) as usize;
-            if rejected > 0 {
-                q.publish_used();
-                // The log's used_idx follows used.idx (these were never in flight).
-                if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
-                    log.batch_done(std::iter::empty(), sq.next_used());
-                }
-                work += rejected;
-            }
+            let (n, rejected) = self.ring.pop(q, batch, room);
+            work += rejected;
             for chain in &batch.chains {
                 self.start(chain.head, chain.read_len, batch.readable(chain), batch.writable(chain), dev);
             }
@@ -311,45 +298,16 @@ impl BlkQueue {
     /// split layout only), after resubmitting the ones a previous backend
     /// left there: the ring resumes after every chain taken so far (used
     /// entries + those in flight). Returns the requests resubmitted.
-    pub fn attach_inflight(
-        &mut self,
-        mut log: InflightLog,
-        q: &mut Queue,
-        batch: &mut Batch,
-        dev: &BlkDevice,
-    ) -> usize {
-        let Queue::Split(sq) = q else {
-            // The packed layout of the log is not implemented: no tracking.
-            return 0;
-        };
-        let used = sq.used_idx_in_memory();
-        let heads = log.recover(used);
-        sq.set_next_avail(used.wrapping_add(heads.len() as u16));
-        self.inflight = Some(log);
-        let mut n = 0;
-        let mut rejected = Vec::new();
-        for h in heads {
-            if self.free.is_empty() {
-                break;
-            }
-            batch.clear();
-            if !sq.repop(h, batch, Access::ReadThenWrite) {
-                // Completed with length 0 by the ring: published below.
-                rejected.push(h);
-                continue;
-            }
-            let chain = batch.chains[0];
-            self.start(chain.head, chain.read_len, batch.readable(&chain), batch.writable(&chain), dev);
-            n += 1;
-        }
+    pub fn attach_inflight(&mut self, log: InflightLog, q: &mut Queue, batch: &mut Batch, dev: &BlkDevice) -> usize {
+        // The ring is out of `self` while `start` runs (it borrows all of it).
+        let mut ring = std::mem::take(&mut self.ring);
+        let room = self.free.len();
+        let n = ring.recover(log, q, batch, room, |head, readable, writable| {
+            self.start(head, readable.bytes() as u32, readable, writable, dev)
+        });
+        self.ring = ring;
         if n > 0 {
             self.backend.submit();
-        }
-        if !rejected.is_empty() {
-            q.publish_used();
-            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
-                log.batch_done(rejected.into_iter(), sq.next_used());
-            }
         }
         self.complete_done(q);
         n
@@ -357,7 +315,7 @@ impl BlkQueue {
 
     /// Stops logging (the ring is handed back).
     pub fn detach_inflight(&mut self) {
-        self.inflight = None;
+        self.ring.detach();
     }
 
     /// Completes what the backend finished, and starts nothing new (a ring
@@ -473,22 +431,14 @@ impl BlkQueue {
                     _ => {}
                 }
             }
-            q.add_used_id(slot.head, used);
-            if let Some(log) = &mut self.inflight {
-                log.batch_add(slot.head);
-                self.batch_heads.push(slot.head);
-            }
+            self.ring.complete(q, slot.head, used);
             slot.stage = Stage::Free;
             slot.io.clear();
             self.free.push(i as u32);
         }
         self.done.clear();
         if n > 0 {
-            q.publish_used();
-            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
-                log.batch_done(self.batch_heads.drain(..), sq.next_used());
-            }
-            self.batch_heads.clear();
+            self.ring.publish(q);
         }
         n
     }
@@ -497,9 +447,6 @@ impl BlkQueue {
     fn start(&mut self, head: u16, read_len: u32, readable: GuestBufs<'_>, writable: GuestBufs<'_>, dev: &BlkDevice) {
         // `process` pops no more chains than there are free slots.
         let Some(seq) = self.free.pop() else { return };
-        if let Some(log) = &mut self.inflight {
-            log.start(head);
-        }
         // Finished at once unless handed to the backend below.
         self.done.push(seq);
         let seq = seq as u64;

@@ -17,7 +17,9 @@
 //! modes and sleeping stay with the worker.
 
 pub mod inflight;
+pub mod requests;
 pub use inflight::InflightLog;
+pub use requests::RequestRing;
 
 use std::os::unix::io::RawFd;
 

@@ -19,8 +19,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vhostd_block_backends::{BlockBackend, Completion, Op, Request};
-use vhostd_device::InflightLog;
-use virtq::{Access, Batch, GuestBufs, IoBufs, Queue};
+use vhostd_device::{InflightLog, RequestRing};
+use virtq::{Batch, GuestBufs, IoBufs, Queue};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::device::{Board, ScsiDevice, TmfState};
@@ -135,8 +135,8 @@ pub struct ScsiQueue {
     free: Vec<u32>,
     done: Vec<u32>,
     completions: Vec<Completion>,
-    inflight: Option<InflightLog>,
-    batch_heads: Vec<u16>,
+    /// Popping, completing and the inflight log.
+    ring: RequestRing,
     /// The task-management generation last looked at.
     tmf_seen: u64,
     /// Task management this queue has yet to report done.
@@ -192,8 +192,7 @@ impl ScsiQueue {
             free: (0..depth as u32).rev().collect(),
             done: Vec::with_capacity(depth),
             completions: Vec::with_capacity(depth),
-            inflight: None,
-            batch_heads: Vec::with_capacity(depth),
+            ring: RequestRing::new(depth),
             tmf_seen: 0,
             tmf_waiting: false,
             param: Vec::new(),
@@ -286,16 +285,8 @@ impl ScsiQueue {
         let mut work = 0;
         let room = self.free.len();
         if room > 0 && !q.is_broken() {
-            let bad_before = q.stats().bad_chains;
-            let n = q.pop_batch(batch, room, Access::ReadThenWrite);
-            let rejected = (q.stats().bad_chains - bad_before) as usize;
-            if rejected > 0 {
-                q.publish_used();
-                if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
-                    log.batch_done(std::iter::empty(), sq.next_used());
-                }
-                work += rejected;
-            }
+            let (n, rejected) = self.ring.pop(q, batch, room);
+            work += rejected;
             for chain in &batch.chains {
                 self.start(chain.head, batch.readable(chain), batch.writable(chain), dev);
             }
@@ -345,41 +336,14 @@ impl ScsiQueue {
 
     /// Starts logging requests in flight in `log` after resubmitting the
     /// ones a previous backend left there (as blk does). Returns how many.
-    pub fn attach_inflight(
-        &mut self,
-        mut log: InflightLog,
-        q: &mut Queue,
-        batch: &mut Batch,
-        dev: &ScsiDevice,
-    ) -> usize {
-        let Queue::Split(sq) = q else { return 0 };
-        let used = sq.used_idx_in_memory();
-        let heads = log.recover(used);
-        sq.set_next_avail(used.wrapping_add(heads.len() as u16));
-        self.inflight = Some(log);
-        let mut n = 0;
-        let mut rejected = Vec::new();
-        for h in heads {
-            if self.free.is_empty() {
-                break;
-            }
-            batch.clear();
-            if !sq.repop(h, batch, Access::ReadThenWrite) {
-                rejected.push(h);
-                continue;
-            }
-            let chain = batch.chains[0];
-            self.start(chain.head, batch.readable(&chain), batch.writable(&chain), dev);
-            n += 1;
-        }
+    pub fn attach_inflight(&mut self, log: InflightLog, q: &mut Queue, batch: &mut Batch, dev: &ScsiDevice) -> usize {
+        // The ring is out of `self` while `start` runs (it borrows all of it).
+        let mut ring = std::mem::take(&mut self.ring);
+        let room = self.free.len();
+        let n = ring.recover(log, q, batch, room, |head, readable, writable| self.start(head, readable, writable, dev));
+        self.ring = ring;
         if n > 0 {
             self.submit();
-        }
-        if !rejected.is_empty() {
-            q.publish_used();
-            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
-                log.batch_done(rejected.into_iter(), sq.next_used());
-            }
         }
         self.complete_done(q);
         n
@@ -387,7 +351,7 @@ impl ScsiQueue {
 
     /// Stops logging (the ring is handed back).
     pub fn detach_inflight(&mut self) {
-        self.inflight = None;
+        self.ring.detach();
     }
 
     /// Waits for every request in flight and completes them (before the
@@ -510,22 +474,14 @@ impl ScsiQueue {
                 self.stats.check_conditions += 1;
             }
             let used = if slot.used_len == 0 { 0 } else { write_response(slot) };
-            q.add_used_id(slot.head, used);
-            if let Some(log) = &mut self.inflight {
-                log.batch_add(slot.head);
-                self.batch_heads.push(slot.head);
-            }
+            self.ring.complete(q, slot.head, used);
             slot.stage = Stage::Free;
             slot.io.clear();
             self.free.push(i as u32);
         }
         self.done.clear();
         if n > 0 {
-            q.publish_used();
-            if let (Some(log), Queue::Split(sq)) = (&mut self.inflight, &*q) {
-                log.batch_done(self.batch_heads.drain(..), sq.next_used());
-            }
-            self.batch_heads.clear();
+            self.ring.publish(q);
         }
         n
     }
@@ -533,9 +489,6 @@ impl ScsiQueue {
     /// Parses one chain and starts it (or finishes it at once).
     fn start(&mut self, head: u16, readable: GuestBufs<'_>, writable: GuestBufs<'_>, dev: &ScsiDevice) {
         let Some(seq) = self.free.pop() else { return };
-        if let Some(log) = &mut self.inflight {
-            log.start(head);
-        }
         self.done.push(seq);
         self.stats.commands += 1;
         let slot = &mut self.slots[seq as usize];
