@@ -674,6 +674,7 @@ impl CtrlGroup {
             return 0;
         }
         let mut n = 0;
+        let bad_before = ring.queue.stats().bad_chains;
         loop {
             let due = ev.queue.front().copied().or_else(|| {
                 // Only the loss to report: an empty event carries the flag.
@@ -701,10 +702,12 @@ impl CtrlGroup {
             self.events_sent += 1;
             n += 1;
         }
-        if n > 0 {
+        // Chains the ring rejected (not write-only) have their used entry too.
+        let rejected = (ring.queue.stats().bad_chains - bad_before) as usize;
+        if n + rejected > 0 {
             ring.queue.publish_used();
         }
-        n
+        n + rejected
     }
 }
 
