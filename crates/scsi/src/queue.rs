@@ -24,7 +24,7 @@ use virtq::{Batch, GuestBufs, IoBufs, Queue};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::device::{Board, ScsiDevice, TmfState};
-use crate::wire::{response, CmdReq, CmdResp, REQ_LEN, RESP_LEN, SENSE_SIZE};
+use crate::wire::{response, REQ_LEN, RESP_LEN};
 use crate::Lun;
 use crate::{execute, op, parse_virtio_lun, report_luns, status, Action, Sense};
 
@@ -522,13 +522,15 @@ impl ScsiQueue {
             slot.response = response::FAILURE;
             return;
         }
-        let Some(req) = CmdReq::parse(&hdr) else { return };
+        // The header's fields in place (`wire::CmdReq`): lun, id, task
+        // attribute, priority, crn, cdb.
+        let (lun, cdb) = (&hdr[0..8], &hdr[19..REQ_LEN]);
         let data_out = readable.bytes() - REQ_LEN;
-        slot.id = req.id;
+        slot.id = u64::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15]]);
         // Every data byte is a residual until something moves it.
         slot.residual = (data_in.max(data_out)).min(u32::MAX as usize) as u32;
-        let cdb = &req.cdb[..];
-        let unit = match parse_virtio_lun(&req.lun) {
+        let lun: &[u8; 8] = lun.try_into().unwrap_or(&[0; 8]);
+        let unit = match parse_virtio_lun(lun) {
             Some((0, unit)) => unit,
             _ => {
                 // Another target, or a LUN field not in virtio's form.
@@ -726,10 +728,14 @@ impl ScsiQueue {
 }
 
 /// Writes a finished request's response header; returns the used length.
+/// Only the header's first 12 bytes and the sense data are stored: the
+/// driver reads no more (sense_len says how much sense there is).
 fn write_response(slot: &mut Slot) -> u32 {
-    let mut sense = [0u8; SENSE_SIZE];
+    // The response's layout (`wire::CmdResp`): sense_len, residual,
+    // status_qualifier, status, response, then sense (at most 18 bytes here).
+    let mut b = [0u8; 12 + 18];
     let sense_len = match slot.sense {
-        Some(s) if slot.response == response::OK => s.write(slot.descriptor_sense, &mut sense),
+        Some(s) if slot.response == response::OK => s.write(slot.descriptor_sense, &mut b[12..]),
         _ => 0,
     };
     if slot.response != response::OK {
@@ -737,9 +743,11 @@ fn write_response(slot: &mut Slot) -> u32 {
         slot.status = status::GOOD;
         slot.used_len = RESP_LEN as u32;
     }
-    let resp = CmdResp::new(slot.response, slot.status, slot.residual, &sense[..sense_len]);
-    let bytes = resp.bytes();
-    slot.io.write_reply(&bytes[..12 + sense_len]);
+    b[0..4].copy_from_slice(&(sense_len as u32).to_le_bytes());
+    b[4..8].copy_from_slice(&slot.residual.to_le_bytes());
+    b[10] = slot.status;
+    b[11] = slot.response;
+    slot.io.write_reply(&b[..12 + sense_len]);
     if slot.status != status::GOOD {
         // Data-in was not (all) delivered.
         slot.used_len = RESP_LEN as u32;
