@@ -503,6 +503,7 @@ impl ScsiQueue {
         slot.response = response::OK;
         slot.status = status::GOOD;
         slot.sense = None;
+        slot.descriptor_sense = false;
         slot.residual = 0;
         slot.bytes = 0;
         slot.used_len = 0;
@@ -584,13 +585,21 @@ impl ScsiQueue {
                 let Some(k) = found else { return };
                 let u = &mut self.units[k];
                 let bs = u.lun.disk.block_size;
+                // The data-out UNMAP and WRITE SAME take (the parameter
+                // list, the block): the rest of their buffers is residual.
+                let taken = match cdb[0] {
+                    op::UNMAP => u16::from_be_bytes([cdb[7], cdb[8]]) as usize,
+                    _ => bs as usize,
+                };
+                let unused = if data_out > 0 { data_out - taken.min(data_out) } else { data_in };
+                let unused = unused.min(u32::MAX as usize) as u32;
                 // Backend requests it takes: one, or one per UNMAP range.
                 let needed = match &action {
                     Action::Unmap(r) => r.iter().filter(|r| r.1 > 0).count(),
                     _ => 1,
                 };
                 if needed == 0 {
-                    slot.residual = 0;
+                    slot.residual = unused;
                     return;
                 }
                 if needed > u.backend.room() {
@@ -651,13 +660,13 @@ impl ScsiQueue {
                     }
                     Action::WriteZeroes { lba, blocks } => {
                         self.stats.unmaps += 1;
-                        slot.residual = 0;
+                        slot.residual = unused;
                         let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
                         queue(Op::WriteZeroes { unmap: false }, off, len, &empty);
                     }
                     Action::Unmap(ranges) => {
                         self.stats.unmaps += 1;
-                        slot.residual = 0;
+                        slot.residual = unused;
                         for (lba, blocks) in ranges {
                             if let Some((off, len)) = offset_of(lba, blocks as u64, bs) {
                                 if len > 0 {

@@ -4,9 +4,9 @@
 //! process: it connects to the backend's socket, negotiates features, shares
 //! its "guest memory" (a memfd, not hugepages) with SET_MEM_TABLE, lays out
 //! split or packed rings in it and drives them with `virtq_driver`, as a
-//! virtio-net or virtio-blk driver. Used by integration tests (including
-//! hostile-ring tests, through the raw ring accessors and `blk`'s raw
-//! chains) and by the `vhostd-user` benchmark CLI.
+//! virtio-net, virtio-blk or virtio-scsi driver. Used by integration tests
+//! (including hostile-ring tests, through the raw ring accessors and `blk`'s
+//! and `scsi`'s raw chains) and by the `vhostd-user` benchmark CLI.
 //!
 //! ```no_run
 //! use vhostd_user::{Options, VirtioUser};
@@ -29,6 +29,21 @@
 //! println!("{} sectors; read 0: status {status}, {used_len} bytes", cfg.capacity);
 //! ```
 //!
+//! A virtio-scsi device with `Options::scsi`; see the `scsi` module:
+//!
+//! ```no_run
+//! use vhostd_user::{scsi, Options, VirtioUser};
+//! let mut dev = VirtioUser::connect(Options::scsi("/tmp/scsi.sock")).unwrap();
+//! let mut q = dev.scsi_queue(0, 32, 4096).unwrap();
+//! q.set_lun(0);
+//! let r = q.request(scsi::Cmd::inquiry(None, 96), &[], std::time::Duration::from_secs(10)).unwrap();
+//! println!("response {} status {}: {:?}", r.resp.response, r.resp.status, &r.data[8..16]);
+//! ```
+//!
+//! A backend that tracks requests in flight (INFLIGHT_SHMFD) can be killed
+//! and started again under load: `get_inflight_fd` before the rings start,
+//! then `reconnect` and `restart_queue`, as QEMU does with `reconnect=1`.
+//!
 //! Nothing the backend sends (socket replies, used rings) can make this
 //! library panic: it returns errors.
 
@@ -38,6 +53,7 @@ pub mod blk;
 pub mod memory;
 pub mod net;
 pub mod queue;
+pub mod scsi;
 
 pub use blk::{BlkConfig, BlkOp, BlkQueue};
 pub use memory::FrontendMemory;
@@ -50,7 +66,7 @@ pub use virtq_driver::{
 };
 
 use std::path::PathBuf;
-use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserInflight};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, VringConfigData};
 
@@ -59,6 +75,7 @@ use vhost::{VhostBackend, VhostUserDirtyLogRegion, VhostUserMemoryRegionInfo, Vr
 pub mod features {
     use vhostd_blk::features as blk;
     use vhostd_net::features as net;
+    use vhostd_scsi::wire::features as scsi;
     use virtq::ring::features as ring;
 
     /// VIRTIO_NET_F_CSUM
@@ -117,6 +134,14 @@ pub mod features {
         | BLK_MQ
         | BLK_DISCARD
         | BLK_WRITE_ZEROES;
+    /// VIRTIO_SCSI_F_INOUT
+    pub const SCSI_INOUT: u64 = scsi::INOUT;
+    /// VIRTIO_SCSI_F_HOTPLUG
+    pub const SCSI_HOTPLUG: u64 = scsi::HOTPLUG;
+    /// VIRTIO_SCSI_F_CHANGE
+    pub const SCSI_CHANGE: u64 = scsi::CHANGE;
+    /// VIRTIO_SCSI_F_T10_PI
+    pub const SCSI_T10_PI: u64 = scsi::T10_PI;
     /// VIRTIO_RING_F_INDIRECT_DESC
     pub const INDIRECT_DESC: u64 = ring::INDIRECT_DESC;
     /// VIRTIO_RING_F_EVENT_IDX
@@ -182,6 +207,8 @@ pub enum DeviceType {
     Net,
     /// virtio-blk (device type 2).
     Blk,
+    /// virtio-scsi (device type 8).
+    Scsi,
 }
 
 /// How to connect and what to ask for.
@@ -245,6 +272,18 @@ impl Options {
         Options {
             device: DeviceType::Blk,
             features: features::VERSION_1 | features::EVENT_IDX | features::BLK_ALL,
+            ..Options::new(socket_path)
+        }
+    }
+
+    /// A virtio-scsi device: VERSION_1 (required), EVENT_IDX, HOTPLUG and
+    /// CHANGE requested (add `features::RING_PACKED` for packed rings, and
+    /// protocol feature INFLIGHT_SHMFD to track requests in flight), 64 MiB
+    /// of memory, the same protocol features as `new`.
+    pub fn scsi(socket_path: impl Into<PathBuf>) -> Options {
+        Options {
+            device: DeviceType::Scsi,
+            features: features::VERSION_1 | features::EVENT_IDX | features::SCSI_HOTPLUG | features::SCSI_CHANGE,
             ..Options::new(socket_path)
         }
     }
@@ -325,8 +364,21 @@ pub struct VirtioUser {
     max_queues: u64,
     config: Option<NetConfig>,
     blk_config: Option<BlkConfig>,
+    scsi_config: Option<scsi::ScsiConfig>,
     config_error: Option<String>,
     started: Vec<usize>,
+    /// The inflight memory the backend gave (GET_INFLIGHT_FD), kept for
+    /// the next backend (SET_INFLIGHT_FD on `reconnect`).
+    inflight: Option<(VhostUserInflight, std::fs::File)>,
+}
+
+/// What feature negotiation settled: features acked, protocol features
+/// acked, queue count, what the backend offered.
+struct Negotiated {
+    offered: u64,
+    features: u64,
+    protocol: VhostUserProtocolFeatures,
+    max_queues: u64,
 }
 
 /// Queue-count bound used before (or without) GET_QUEUE_NUM.
@@ -346,6 +398,29 @@ impl VirtioUser {
     }
 
     fn with_frontend(mut fe: Frontend, opts: Options) -> Result<VirtioUser, Error> {
+        let n = Self::negotiate(&mut fe, &opts)?;
+        let mut dev = VirtioUser {
+            fe,
+            mem: FrontendMemory::new(opts.mem_size, opts.gpa_base, opts.sealable_memory)?,
+            opts,
+            offered: n.offered,
+            features: n.features,
+            protocol: n.protocol,
+            max_queues: n.max_queues,
+            config: None,
+            blk_config: None,
+            scsi_config: None,
+            config_error: None,
+            started: Vec::new(),
+            inflight: None,
+        };
+        dev.read_device_config();
+        dev.share_memory()?;
+        Ok(dev)
+    }
+
+    /// SET_OWNER, features and protocol features, GET_QUEUE_NUM.
+    fn negotiate(fe: &mut Frontend, opts: &Options) -> Result<Negotiated, Error> {
         fe.set_owner().map_err(vh("SET_OWNER"))?;
         let offered = fe.get_features().map_err(vh("GET_FEATURES"))?;
         let missing = opts.required & !offered;
@@ -356,10 +431,12 @@ impl VirtioUser {
         let mut protocol = VhostUserProtocolFeatures::empty();
         // GET_QUEUE_NUM counts virtqueues (the vhost-user spec's reading,
         // and the vhost crate's); without MQ a net device has one pair, a
-        // blk device one request queue.
+        // blk device one request queue, a scsi device its control and
+        // event queues and one request queue.
         let mut max_queues = match opts.device {
             DeviceType::Net => 2,
             DeviceType::Blk => 1,
+            DeviceType::Scsi => 3,
         };
         if offered & features::PROTOCOL_FEATURES != 0 {
             features |= features::PROTOCOL_FEATURES;
@@ -376,33 +453,25 @@ impl VirtioUser {
             }
         }
         fe.set_features(features).map_err(vh("SET_FEATURES"))?;
+        Ok(Negotiated { offered, features, protocol, max_queues })
+    }
 
-        let mut dev = VirtioUser {
-            fe,
-            mem: FrontendMemory::new(opts.mem_size, opts.gpa_base, opts.sealable_memory)?,
-            opts,
-            offered,
-            features,
-            protocol,
-            max_queues,
-            config: None,
-            blk_config: None,
-            config_error: None,
-            started: Vec::new(),
-        };
-        if protocol.contains(VhostUserProtocolFeatures::CONFIG) {
-            let r = match dev.opts.device {
-                DeviceType::Net => dev.read_net_config().map(|c| dev.config = Some(c)),
-                DeviceType::Blk => dev.read_blk_config().map(|c| dev.blk_config = Some(c)),
+    /// Reads the device's config space when CONFIG was acked; remembers
+    /// why not otherwise.
+    fn read_device_config(&mut self) {
+        self.config_error = None;
+        if self.protocol.contains(VhostUserProtocolFeatures::CONFIG) {
+            let r = match self.opts.device {
+                DeviceType::Net => self.read_net_config().map(|c| self.config = Some(c)),
+                DeviceType::Blk => self.read_blk_config().map(|c| self.blk_config = Some(c)),
+                DeviceType::Scsi => self.read_scsi_config().map(|c| self.scsi_config = Some(c)),
             };
             if let Err(e) = r {
-                dev.config_error = Some(e.to_string());
+                self.config_error = Some(e.to_string());
             }
-        } else if dev.opts.device == DeviceType::Blk {
-            dev.config_error = Some("the backend did not offer protocol feature CONFIG".into());
+        } else if self.opts.device != DeviceType::Net {
+            self.config_error = Some("the backend did not offer protocol feature CONFIG".into());
         }
-        dev.share_memory()?;
-        Ok(dev)
     }
 
     /// GET_CONFIG of the first 10 bytes of virtio-net config space.
@@ -428,6 +497,14 @@ impl VirtioUser {
         let (_, data) =
             self.fe.get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf).map_err(vh("GET_CONFIG"))?;
         BlkConfig::parse(&data).ok_or_else(|| Error::Unsupported("a full virtio-blk config".into()))
+    }
+
+    /// GET_CONFIG of the virtio-scsi config space (`scsi::CONFIG_LEN` bytes).
+    pub fn read_scsi_config(&mut self) -> Result<scsi::ScsiConfig, Error> {
+        let buf = [0u8; scsi::CONFIG_LEN];
+        let (_, data) =
+            self.fe.get_config(0, buf.len() as u32, VhostUserConfigFlags::empty(), &buf).map_err(vh("GET_CONFIG"))?;
+        scsi::ScsiConfig::parse(&data).ok_or_else(|| Error::Unsupported("a full virtio-scsi config".into()))
     }
 
     fn share_memory(&mut self) -> Result<(), Error> {
@@ -485,6 +562,79 @@ impl VirtioUser {
                 self.config_error.as_deref().unwrap_or("not a blk connection")
             ))
         })
+    }
+
+    /// The virtio-scsi config space read at connect time (`Options::scsi`).
+    /// Errors with why it is missing.
+    pub fn scsi_config(&self) -> Result<scsi::ScsiConfig, Error> {
+        self.scsi_config.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "the virtio-scsi config space ({})",
+                self.config_error.as_deref().unwrap_or("not a scsi connection")
+            ))
+        })
+    }
+
+    /// GET_INFLIGHT_FD (protocol feature INFLIGHT_SHMFD): asks the backend
+    /// for memory to log requests in flight in, for `num_queues` virtqueues
+    /// of `queue_size` entries (every tracked ring must have that size), and
+    /// keeps it for the next backend (`reconnect`). Send it before the
+    /// rings start, as QEMU does. Returns the memory's size.
+    pub fn get_inflight_fd(&mut self, num_queues: u16, queue_size: u16) -> Result<u64, Error> {
+        let ask = VhostUserInflight { mmap_size: 0, mmap_offset: 0, num_queues, queue_size };
+        let (info, file) = self.fe.get_inflight_fd(&ask).map_err(vh("GET_INFLIGHT_FD"))?;
+        let size = info.mmap_size;
+        self.inflight = Some((info, file));
+        Ok(size)
+    }
+
+    /// The inflight memory kept from `get_inflight_fd`, if any.
+    pub fn inflight_file(&self) -> Option<&std::fs::File> {
+        self.inflight.as_ref().map(|(_, f)| f)
+    }
+
+    /// Connects again to the same socket, keeping the guest memory, the
+    /// rings in it and the inflight memory, as QEMU does when its backend
+    /// went away (`reconnect=1`): the old connection is closed first (a
+    /// backend serves one frontend at a time), the features negotiated
+    /// again (they must come out the same), the inflight memory handed
+    /// over (SET_INFLIGHT_FD) and the memory shared. Restart each ring with
+    /// `restart_queue` afterwards.
+    pub fn reconnect(&mut self) -> Result<(), Error> {
+        let fe = Frontend::connect(&self.opts.socket_path, DEFAULT_MAX_QUEUES).map_err(vh("connect"))?;
+        drop(std::mem::replace(&mut self.fe, fe));
+        self.started.clear();
+        let n = Self::negotiate(&mut self.fe, &self.opts)?;
+        if n.features != self.features || n.protocol != self.protocol {
+            return Err(Error::Unsupported(format!(
+                "the same features as before ({:#x}, protocol {:#x}; now {:#x}, protocol {:#x})",
+                self.features,
+                self.protocol.bits(),
+                n.features,
+                n.protocol.bits()
+            )));
+        }
+        self.offered = n.offered;
+        self.max_queues = n.max_queues;
+        self.read_device_config();
+        if let Some((info, file)) = &self.inflight {
+            use std::os::unix::io::AsRawFd;
+            self.fe.set_inflight_fd(info, file.as_raw_fd()).map_err(vh("SET_INFLIGHT_FD"))?;
+        }
+        self.share_memory()
+    }
+
+    /// Starts `q` again on a new connection (after `reconnect`) where the
+    /// device left it: a split ring at its used index, as QEMU does when
+    /// its backend died (a backend with the inflight memory resumes after
+    /// the requests it had taken, and runs again those it never answered).
+    /// Packed rings are not tracked in flight: refused.
+    pub fn restart_queue(&mut self, q: &mut VirtQueue) -> Result<(), Error> {
+        let Some(split) = q.ring.split() else {
+            return Err(Error::Unsupported("restarting a packed ring on a new connection".into()));
+        };
+        let base = split.used_idx();
+        self.start_queue_at(q, base)
     }
 
     /// virtio_net_hdr length: 12 with VERSION_1 or MRG_RXBUF, else 10.

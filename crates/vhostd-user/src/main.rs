@@ -1,6 +1,7 @@
-//! `vhostd-user`: a virtio-net and virtio-blk frontend over vhost-user for
-//! benchmarks and smoke tests. One thread drives every queue: `net`
-//! busy-polls its queue pairs, `blk` runs fio-like workloads.
+//! `vhostd-user`: a virtio-net, virtio-blk and virtio-scsi frontend over
+//! vhost-user for benchmarks and smoke tests. One thread drives every
+//! queue: `net` busy-polls its queue pairs, `blk` and `scsi` run fio-like
+//! workloads (the same engine, so the two devices compare directly).
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -9,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use vhostd_user::blk::workload::{self, Workload};
 use vhostd_user::{
-    blk, build_udp_frame, features, DirtyLog, NetStats, Options, RxQueue, TxQueue, VirtQueue, VirtioUser,
+    blk, build_udp_frame, features, scsi, DirtyLog, NetStats, Options, RxQueue, TxQueue, VirtQueue, VirtioUser,
 };
 
 #[derive(Parser)]
@@ -31,6 +32,20 @@ enum Cmd {
     /// then `reordered=N`: completions that overtook earlier requests.
     /// Exits 1 on any request error or mismatch.
     Blk(BlkArgs),
+    /// Drive one unit of a virtio-scsi vhost-user backend with the same
+    /// workloads (READ(16), WRITE(16), SYNCHRONIZE CACHE) and print the
+    /// same summary line, starting `scsi mode=..`. Exits 1 on any command
+    /// error or mismatch.
+    Scsi(ScsiArgs),
+}
+
+#[derive(clap::Args)]
+struct ScsiArgs {
+    #[command(flatten)]
+    io: BlkArgs,
+    /// The unit (LUN) of target 0 to drive.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=16383))]
+    lun: u16,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -62,7 +77,8 @@ struct BlkArgs {
     /// Requests in flight per queue.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=4096))]
     iodepth: u16,
-    /// Request queues (more than 1 needs VIRTIO_BLK_F_MQ).
+    /// Request queues (blk: more than 1 needs VIRTIO_BLK_F_MQ; scsi: at most
+    /// the device's num_queues).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: u16,
     /// Stop submitting after this many seconds (not for verify).
@@ -556,11 +572,11 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
     Ok((t, seconds, failure))
 }
 
-fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
-    let mut opts = Options::blk(&a.socket_path);
+/// Options for a blk or scsi workload: memory, EVENT_IDX, packed rings.
+fn io_options(a: &BlkArgs, mut opts: Options, mem_needed: u64) -> Options {
     opts.mem_size = match a.mem_mb {
         Some(m) => m << 20,
-        None => blk::memory_needed(a.queues, a.iodepth, a.bs),
+        None => mem_needed,
     };
     if a.event_idx.on() {
         opts.features |= features::EVENT_IDX;
@@ -571,17 +587,66 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
         opts.features |= features::RING_PACKED;
         opts.required |= features::RING_PACKED;
     }
-    let mut dev = connect_retry(opts, a.connect_timeout)?;
-    let f = dev.features();
+    opts
+}
+
+fn print_connected(a: &BlkArgs, dev: &VirtioUser) {
     eprintln!(
         "vhostd-user: connected to {}: features {:#x} (offered {:#x}), protocol {:#x}, max queues {}, {} rings",
         a.socket_path.display(),
-        f,
+        dev.features(),
         dev.offered_features(),
         dev.protocol_features().bits(),
         dev.max_queues(),
         if dev.packed() { "packed" } else { "split" }
     );
+}
+
+/// The workload the options ask for.
+fn io_workload(a: &BlkArgs) -> Workload {
+    let mode = match a.mode {
+        BlkMode::Randread => workload::Mode::RandRead,
+        BlkMode::Randwrite => workload::Mode::RandWrite,
+        BlkMode::Read => workload::Mode::Read,
+        BlkMode::Write => workload::Mode::Write,
+        BlkMode::Verify => workload::Mode::Verify,
+    };
+    Workload {
+        iodepth: a.iodepth,
+        size: a.size,
+        count: a.count,
+        duration: a.duration.map(Duration::from_secs_f64),
+        seed: a.seed,
+        poll: a.poll.on(),
+        stall_timeout: Duration::from_secs_f64(a.stall_timeout),
+        ..Workload::new(mode, a.bs)
+    }
+}
+
+/// Dirty logging (--dirty-log) on `queues`, and the CPU (--cpu), once the
+/// queues are set up. The log must live while the workload runs.
+fn io_start(a: &BlkArgs, dev: &mut VirtioUser, queues: &[&VirtQueue]) -> Result<Option<DirtyLog>, String> {
+    let log = if a.dirty_log.on() { Some(start_dirty_log(dev, queues)?) } else { None };
+    if let Some(cpu) = a.cpu {
+        pin_to(cpu)?;
+    }
+    Ok(log)
+}
+
+/// Ends the connection as a driver would (GET_VRING_BASE on every ring).
+fn io_end(dev: VirtioUser) {
+    if !dev.backend_gone() {
+        if let Err(e) = dev.disconnect() {
+            eprintln!("vhostd-user: warning: disconnect: {e}");
+        }
+    }
+}
+
+fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
+    let opts = io_options(a, Options::blk(&a.socket_path), blk::memory_needed(a.queues, a.iodepth, a.bs));
+    let mut dev = connect_retry(opts, a.connect_timeout)?;
+    let f = dev.features();
+    print_connected(a, &dev);
     let cfg = dev.blk_config().map_err(|e| e.to_string())?;
     eprintln!(
         "vhostd-user: config capacity {} sectors ({} bytes) blk_size {} size_max {} seg_max {} num_queues {} writeback {} read_only {}",
@@ -606,43 +671,56 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
     for i in 0..a.queues {
         queues.push(dev.blk_queue(i, a.iodepth, a.bs).map_err(|e| format!("queue {i}: {e}"))?);
     }
-    let _log = if a.dirty_log.on() {
-        let qs: Vec<&VirtQueue> = queues.iter().map(|q| &q.queue).collect();
-        Some(start_dirty_log(&mut dev, &qs)?)
-    } else {
-        None
-    };
-    if let Some(cpu) = a.cpu {
-        pin_to(cpu)?;
-    }
-    let mode = match a.mode {
-        BlkMode::Randread => workload::Mode::RandRead,
-        BlkMode::Randwrite => workload::Mode::RandWrite,
-        BlkMode::Read => workload::Mode::Read,
-        BlkMode::Write => workload::Mode::Write,
-        BlkMode::Verify => workload::Mode::Verify,
-    };
-    let w = Workload {
-        iodepth: a.iodepth,
-        size: a.size,
-        count: a.count,
-        duration: a.duration.map(Duration::from_secs_f64),
-        seed: a.seed,
-        poll: a.poll.on(),
-        stall_timeout: Duration::from_secs_f64(a.stall_timeout),
-        ..Workload::new(mode, a.bs)
-    };
-    let report = workload::run(&mut queues, cfg.capacity, &w, Some(&STOP)).map_err(|e| e.to_string())?;
-    if !dev.backend_gone() {
-        if let Err(e) = dev.disconnect() {
-            eprintln!("vhostd-user: warning: disconnect: {e}");
-        }
-    }
+    let qs: Vec<&VirtQueue> = queues.iter().map(|q| &q.queue).collect();
+    let _log = io_start(a, &mut dev, &qs)?;
+    let report = workload::run(&mut queues, cfg.capacity, &io_workload(a), Some(&STOP)).map_err(|e| e.to_string())?;
+    io_end(dev);
     Ok(report)
 }
 
-fn blk_main(a: &BlkArgs) -> ExitCode {
-    match run_blk(a) {
+fn run_scsi(s: &ScsiArgs) -> Result<workload::Report, String> {
+    let a = &s.io;
+    let opts = io_options(a, Options::scsi(&a.socket_path), scsi::memory_needed(a.queues, a.iodepth, a.bs));
+    let mut dev = connect_retry(opts, a.connect_timeout)?;
+    print_connected(a, &dev);
+    let cfg = dev.scsi_config().map_err(|e| e.to_string())?;
+    eprintln!(
+        "vhostd-user: config num_queues {} seg_max {} max_sectors {} cmd_per_lun {} max_lun {}",
+        cfg.num_queues, cfg.seg_max, cfg.max_sectors, cfg.cmd_per_lun, cfg.max_lun
+    );
+    if a.queues as u32 > cfg.num_queues {
+        return Err(format!("--queues {}: the device has {}", a.queues, cfg.num_queues));
+    }
+    let mut queues = Vec::with_capacity(a.queues as usize);
+    for i in 0..a.queues {
+        let mut q = dev.scsi_queue(i, a.iodepth, a.bs).map_err(|e| format!("queue {i}: {e}"))?;
+        q.set_lun(s.lun);
+        queues.push(q);
+    }
+    let unit =
+        queues[0].probe_disk(Duration::from_secs_f64(a.stall_timeout)).map_err(|e| format!("LUN {}: {e}", s.lun))?;
+    for q in &mut queues[1..] {
+        q.set_disk(unit.block_size, unit.read_only);
+    }
+    eprintln!(
+        "vhostd-user: LUN {} capacity {} blocks of {} bytes ({} bytes) read_only {}",
+        s.lun,
+        unit.blocks,
+        unit.block_size,
+        unit.bytes(),
+        unit.read_only
+    );
+    let qs: Vec<&VirtQueue> = queues.iter().map(|q| &q.queue).collect();
+    let _log = io_start(a, &mut dev, &qs)?;
+    let report =
+        scsi::workload::run(&mut queues, unit.bytes(), &io_workload(a), Some(&STOP)).map_err(|e| e.to_string())?;
+    io_end(dev);
+    Ok(report)
+}
+
+/// Prints a blk or scsi workload's summary; the exit status.
+fn io_main(r: Result<workload::Report, String>) -> ExitCode {
+    match r {
         Ok(r) => {
             println!("{}", r.summary());
             if let Some(e) = &r.first_error {
@@ -669,7 +747,8 @@ fn main() -> ExitCode {
     install_signals();
     let a = match cli.cmd {
         Cmd::Net(a) => a,
-        Cmd::Blk(a) => return blk_main(&a),
+        Cmd::Blk(a) => return io_main(run_blk(&a)),
+        Cmd::Scsi(a) => return io_main(run_scsi(&a)),
     };
     match run(&a) {
         Ok((t, secs, failure)) => {

@@ -14,8 +14,6 @@ mod common;
 use common::*;
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -134,35 +132,16 @@ fn expected_config(capacity: u64, queues: u16, discard: bool) -> BlkConfig {
 }
 
 fn read_file(p: &Path, off: u64, len: usize) -> Vec<u8> {
-    let mut b = vec![0u8; len];
-    File::open(p).unwrap().read_exact_at(&mut b, off).unwrap();
-    b
+    image::read(p, off, len)
 }
 
 /// `len` bytes of the image at `off` are still the background pattern.
 fn assert_bg(p: &Path, off: u64, len: usize) {
-    let b = read_file(p, off, len);
-    assert_eq!(check_pattern(&b, off, BG), None, "image changed at {off}+{len}");
+    image::assert_pattern(p, off, len, BG)
 }
 
-fn assert_zero(p: &Path, off: u64, len: usize) {
-    let b = read_file(p, off, len);
-    assert_eq!(b.iter().position(|&x| x != 0), None, "image not zero at {off}+{len}");
-}
-
-/// 512-byte units allocated to the file.
-fn blocks(p: &Path) -> u64 {
-    fs::metadata(p).unwrap().blocks()
-}
-
-/// lseek(SEEK_HOLE / SEEK_DATA) from `off`.
-fn seek(p: &Path, off: u64, whence: libc::c_int) -> u64 {
-    let file = File::open(p).unwrap();
-    // SAFETY: lseek on a descriptor we own; the result is checked.
-    let r = unsafe { libc::lseek(file.as_raw_fd(), off as libc::off_t, whence) };
-    assert!(r >= 0, "lseek: {}", std::io::Error::last_os_error());
-    r as u64
-}
+use image::allocated as blocks;
+use image::{assert_zero, seek};
 
 /// Every per-queue request counter vhostd prints.
 const COUNTERS: &[&str] = &[

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{frame, tempdir, wait_until};
+use common::{frame, tempdir, wait_until, HangingDisk};
 use serde_json::Value;
 use vhostd_user::blk::workload::{self, Mode, Workload};
 use vhostd_user::{Options, VirtioUser};
@@ -447,74 +447,6 @@ fn eighty_connected_idle_devices_take_under_one_percent_of_a_cpu() {
     assert!(pct < 1.0, "80 idle devices took {pct:.2} % of a CPU");
     assert_eq!(threads, threads0, "threads grew with devices: {:?}", d.threads());
     drop(frontends);
-}
-
-/// A disk that hangs: a FUSE file system (tests/hanging_fs.py) holding one
-/// file, `disk`, whose reads and writes wait while it is held (`hold`), as
-/// on an NFS mount whose server went away. Unmounted and stopped on drop
-/// (declare it before the daemon, which then goes first).
-struct HangingDisk {
-    child: Child,
-    mnt: PathBuf,
-    hold: PathBuf,
-}
-
-impl HangingDisk {
-    fn mount(dir: &Path, bytes: u64) -> HangingDisk {
-        let mnt = dir.join("hanging");
-        std::fs::create_dir_all(&mnt).unwrap();
-        let hold = dir.join("hold");
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/hanging_fs.py");
-        // Debian's python3, which python3-fusepy installs into (not one a
-        // version manager put first on PATH).
-        let child = Command::new("/usr/bin/python3")
-            .arg(script)
-            .arg(&mnt)
-            .arg(bytes.to_string())
-            .arg(&hold)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("python3 (scripts/setup installs it, with python3-fusepy)");
-        let d = HangingDisk { child, mnt, hold };
-        assert!(
-            wait_until(T, || d.disk().exists()),
-            "the FUSE file system did not come up (needs /dev/fuse and python3-fusepy: scripts/setup)"
-        );
-        d
-    }
-
-    fn disk(&self) -> PathBuf {
-        self.mnt.join("disk")
-    }
-
-    /// Holds reads and writes until the guard is released or dropped
-    /// (declare it after the daemon: a process waiting on the disk cannot
-    /// be reaped until it answers).
-    fn hold(&self) -> Held {
-        std::fs::write(&self.hold, b"").unwrap();
-        Held(self.hold.clone())
-    }
-}
-
-struct Held(PathBuf);
-
-impl Held {
-    fn release(self) {}
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-impl Drop for HangingDisk {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.hold);
-        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Frames device `name` has taken from its guest (TX queue 1), from the

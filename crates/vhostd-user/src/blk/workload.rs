@@ -3,11 +3,144 @@
 //! per queue, and `verify` (write a pattern derived from each block's
 //! offset and a seed, flush, read it all back and compare). One thread
 //! drives every queue; nothing is allocated per request.
+//!
+//! The engine drives any request queue that implements [`IoQueue`]: blk's
+//! [`BlkQueue`] (`run`) and scsi's (`crate::scsi::workload`).
 
-use super::{status, types, BlkOp, BlkQueue, SECTOR};
+use super::{status, types, BlkCompletion, BlkOp, BlkQueue, SECTOR};
+use crate::queue::VirtQueue;
 use crate::{features, Error};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+/// A completed request as the workload engine sees it.
+pub trait IoCompletion {
+    /// The tag given at submission.
+    fn user(&self) -> u64;
+    /// From submission to the poll that found it.
+    fn latency(&self) -> Duration;
+    /// What went wrong (a bad status, an impossible used length), if anything.
+    fn problem(&self) -> Option<String>;
+    /// A read that succeeded: its data is what the device read.
+    fn read_ok(&self) -> bool;
+}
+
+/// A request queue the workload engine drives (blk's, scsi's): reads and
+/// writes of whole blocks at byte offsets, completed in any order.
+pub trait IoQueue {
+    /// What `poll_io` reports.
+    type Completion: IoCompletion;
+    /// The device, as the summary line names it ("blk", "scsi").
+    const KIND: &'static str;
+    /// The virtqueue (notifications).
+    fn virtqueue(&mut self) -> &mut VirtQueue;
+    /// Most requests in flight.
+    fn depth(&self) -> u16;
+    /// Largest data length of a request.
+    fn max_data(&self) -> u32;
+    /// Requests submitted and not yet completed.
+    fn in_flight(&self) -> u16;
+    /// Completions that overtook requests submitted before them.
+    fn reordered(&self) -> u64;
+    /// The device refuses writes.
+    fn read_only(&self) -> bool;
+    /// Queues a read (or a write) of `len` bytes at byte `offset` of the
+    /// disk in a free slot; `fill` gets its data area first. Ok(false)
+    /// when every slot is in flight; `user` comes back in the completion.
+    fn submit_io(
+        &mut self,
+        write: bool,
+        offset: u64,
+        len: u32,
+        user: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<bool, Error>;
+    /// Publishes what was submitted and kicks if the device wants it.
+    fn post(&mut self) -> Result<bool, Error>;
+    /// Takes every completion the device has made, calling `f` with each
+    /// and its data-in bytes. Returns how many.
+    fn poll_io(&mut self, f: impl FnMut(&Self::Completion, &[u8])) -> Result<usize, Error>;
+    /// Makes completed writes durable with one synchronous request (nothing
+    /// else in flight): its status and completion, or None when the device
+    /// has no such request.
+    fn sync_cache(&mut self, timeout: Duration) -> Result<Option<(u8, Self::Completion)>, Error>;
+    /// A status `sync_cache` returned, as a word.
+    fn status_name(s: u8) -> String;
+}
+
+impl IoCompletion for BlkCompletion {
+    #[inline]
+    fn user(&self) -> u64 {
+        self.user
+    }
+    #[inline]
+    fn latency(&self) -> Duration {
+        self.latency
+    }
+    #[inline]
+    fn problem(&self) -> Option<String> {
+        BlkCompletion::problem(self)
+    }
+    #[inline]
+    fn read_ok(&self) -> bool {
+        self.req_type == types::IN && self.status == status::OK
+    }
+}
+
+impl IoQueue for BlkQueue {
+    type Completion = BlkCompletion;
+    const KIND: &'static str = "blk";
+    fn virtqueue(&mut self) -> &mut VirtQueue {
+        &mut self.queue
+    }
+    fn depth(&self) -> u16 {
+        BlkQueue::depth(self)
+    }
+    fn max_data(&self) -> u32 {
+        BlkQueue::max_data(self)
+    }
+    #[inline]
+    fn in_flight(&self) -> u16 {
+        BlkQueue::in_flight(self)
+    }
+    fn reordered(&self) -> u64 {
+        BlkQueue::reordered(self)
+    }
+    fn read_only(&self) -> bool {
+        self.features() & features::BLK_RO != 0
+    }
+    #[inline]
+    fn submit_io(
+        &mut self,
+        write: bool,
+        offset: u64,
+        len: u32,
+        user: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<bool, Error> {
+        let sector = offset / SECTOR;
+        let op = if write { BlkOp::Write { sector, len } } else { BlkOp::Read { sector, len } };
+        self.submit(op, user, fill)
+    }
+    #[inline]
+    fn post(&mut self) -> Result<bool, Error> {
+        self.flush()
+    }
+    #[inline]
+    fn poll_io(&mut self, f: impl FnMut(&BlkCompletion, &[u8])) -> Result<usize, Error> {
+        self.poll(f)
+    }
+    fn sync_cache(&mut self, timeout: Duration) -> Result<Option<(u8, BlkCompletion)>, Error> {
+        if self.features() & features::BLK_FLUSH == 0 {
+            return Ok(None);
+        }
+        let reply = self.request(BlkOp::Flush, &[], timeout)?;
+        Ok(Some((reply.status, reply.completion)))
+    }
+    fn status_name(s: u8) -> String {
+        super::status_name(s)
+    }
+}
 
 /// What to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,6 +293,10 @@ impl Histogram {
 /// What a workload did.
 #[derive(Clone, Debug)]
 pub struct Report {
+    /// The device driven ("blk", "scsi": `IoQueue::KIND`).
+    pub kind: &'static str,
+    /// Names the flush status in the summary (`IoQueue::status_name`).
+    flush_name: fn(u8) -> String,
     /// The workload's mode.
     pub mode: Mode,
     /// Bytes per request.
@@ -198,7 +335,7 @@ impl Report {
         self.errors == 0 && self.mismatch.is_none()
     }
 
-    /// One line for scripts: `blk mode=.. bs=.. iodepth=.. queues=.. ios=..
+    /// One line for scripts: `KIND mode=.. bs=.. iodepth=.. queues=.. ios=..
     /// errors=.. bytes=.. seconds=.. iops=.. mbps=.. lat_us p50=.. p90=..
     /// p99=.. p999=.. max=..` (mbps: 10^6 bytes per second), then for
     /// verify `verify=ok|mismatch [first_mismatch=OFFSET] blocks=N flush=..`,
@@ -209,7 +346,8 @@ impl Report {
         let us = |ns: u64| ns as f64 / 1000.0;
         let l = &self.latency;
         let mut s = format!(
-            "blk mode={} bs={} iodepth={} queues={} ios={} errors={} bytes={} seconds={:.3} iops={:.0} mbps={:.1} lat_us p50={:.1} p90={:.1} p99={:.1} p999={:.1} max={:.1}",
+            "{} mode={} bs={} iodepth={} queues={} ios={} errors={} bytes={} seconds={:.3} iops={:.0} mbps={:.1} lat_us p50={:.1} p90={:.1} p99={:.1} p999={:.1} max={:.1}",
+            self.kind,
             self.mode.name(),
             self.bs,
             self.iodepth,
@@ -232,7 +370,7 @@ impl Report {
                 Some(o) => s.push_str(&format!(" verify=mismatch first_mismatch={o}")),
             }
             s.push_str(&format!(" blocks={} flush=", self.verified_blocks));
-            s.push_str(&self.flush.map_or("none".to_string(), super::status_name));
+            s.push_str(&self.flush.map_or("none".to_string(), self.flush_name));
         }
         s.push_str(&format!(" reordered={}", self.reordered));
         if self.interrupted {
@@ -301,7 +439,16 @@ struct Run<'a> {
 /// Request errors and mismatches are in the report; a broken ring, a
 /// stalled device or bad parameters are errors.
 pub fn run(queues: &mut [BlkQueue], capacity: u64, w: &Workload, stop: Option<&AtomicBool>) -> Result<Report, Error> {
-    let cap_bytes = capacity.saturating_mul(SECTOR);
+    run_queues(queues, capacity.saturating_mul(SECTOR), w, stop)
+}
+
+/// `run` over any device's request queues, on a disk of `cap_bytes` bytes.
+pub fn run_queues<Q: IoQueue>(
+    queues: &mut [Q],
+    cap_bytes: u64,
+    w: &Workload,
+    stop: Option<&AtomicBool>,
+) -> Result<Report, Error> {
     if queues.is_empty() {
         return Err(Error::Config("no queues".into()));
     }
@@ -314,8 +461,7 @@ pub fn run(queues: &mut [BlkQueue], capacity: u64, w: &Workload, stop: Option<&A
     if w.iodepth == 0 {
         return Err(Error::Config("iodepth must not be zero".into()));
     }
-    let f = queues[0].features();
-    if w.mode.writes() && f & features::BLK_RO != 0 {
+    if w.mode.writes() && queues[0].read_only() {
         return Err(Error::Unsupported("writes (the disk is read-only)".into()));
     }
     let area = match w.size {
@@ -336,6 +482,8 @@ pub fn run(queues: &mut [BlkQueue], capacity: u64, w: &Workload, stop: Option<&A
         rng: splitmix64(w.seed),
         stop,
         rep: Report {
+            kind: Q::KIND,
+            flush_name: Q::status_name,
             mode: w.mode,
             bs: w.bs,
             iodepth,
@@ -355,9 +503,9 @@ pub fn run(queues: &mut [BlkQueue], capacity: u64, w: &Workload, stop: Option<&A
     };
     for q in queues.iter_mut() {
         if w.poll {
-            q.queue.ring.disable_notifications();
+            q.virtqueue().ring.disable_notifications();
         } else {
-            q.queue.ring.enable_notifications();
+            q.virtqueue().ring.enable_notifications();
         }
     }
     let reordered0: u64 = queues.iter().map(|q| q.reordered()).sum();
@@ -366,12 +514,13 @@ pub fn run(queues: &mut [BlkQueue], capacity: u64, w: &Workload, stop: Option<&A
         let total = w.count.unwrap_or(blocks).min(blocks);
         let ph = Phase { write: true, random: false, verify: true, total, deadline: None };
         let written = r.phase(queues, &ph)?;
-        if f & features::BLK_FLUSH != 0 && !r.rep.interrupted {
-            let reply = queues[0].request(BlkOp::Flush, &[], w.stall_timeout)?;
-            r.record_other(&reply.completion);
-            r.rep.flush = Some(reply.status);
-            if w.poll {
-                queues[0].queue.ring.disable_notifications();
+        if !r.rep.interrupted {
+            if let Some((st, c)) = queues[0].sync_cache(w.stall_timeout)? {
+                r.record_other(&c);
+                r.rep.flush = Some(st);
+                if w.poll {
+                    queues[0].virtqueue().ring.disable_notifications();
+                }
             }
         }
         if !r.rep.interrupted {
@@ -413,9 +562,9 @@ impl Run<'_> {
         }
     }
 
-    fn record_other(&mut self, c: &super::BlkCompletion) {
+    fn record_other(&mut self, c: &impl IoCompletion) {
         self.rep.ios += 1;
-        self.rep.latency.record(c.latency.as_nanos() as u64);
+        self.rep.latency.record(c.latency().as_nanos() as u64);
         if let Some(p) = c.problem() {
             self.rep.errors += 1;
             self.rep.first_error.get_or_insert(p);
@@ -424,7 +573,7 @@ impl Run<'_> {
 
     /// Submits `ph.total` requests (fewer if stopped or past the deadline)
     /// and waits for all of them. Returns how many were submitted.
-    fn phase(&mut self, queues: &mut [BlkQueue], ph: &Phase) -> Result<u64, Error> {
+    fn phase<Q: IoQueue>(&mut self, queues: &mut [Q], ph: &Phase) -> Result<u64, Error> {
         let bs = self.w.bs;
         let seed = self.w.seed;
         let depth = self.rep.iodepth;
@@ -441,20 +590,17 @@ impl Run<'_> {
                     while submitted < ph.total && q.in_flight() < depth {
                         let blk = self.next_block(ph.random, &mut seq);
                         let off = blk * bs as u64;
-                        let sector = off / SECTOR;
                         let posted = match (ph.write, ph.verify) {
-                            (true, true) => {
-                                q.submit(BlkOp::Write { sector, len: bs }, blk, |b| fill_pattern(b, off, seed))?
-                            }
+                            (true, true) => q.submit_io(true, off, bs, blk, |b| fill_pattern(b, off, seed))?,
                             // Benchmark writes only stamp the block's offset.
-                            (true, false) => q.submit(BlkOp::Write { sector, len: bs }, blk, |b| {
+                            (true, false) => q.submit_io(true, off, bs, blk, |b| {
                                 b[..8].copy_from_slice(&off.to_le_bytes());
                                 b[8..16].copy_from_slice(&seed.to_le_bytes());
                             })?,
                             // Verify poisons the buffer first: a device that
                             // leaves it alone must not pass on stale data.
-                            (false, true) => q.submit(BlkOp::Read { sector, len: bs }, blk, |b| b.fill(POISON))?,
-                            (false, false) => q.submit(BlkOp::Read { sector, len: bs }, blk, |_| {})?,
+                            (false, true) => q.submit_io(false, off, bs, blk, |b| b.fill(POISON))?,
+                            (false, false) => q.submit_io(false, off, bs, blk, |_| {})?,
                         };
                         if !posted {
                             break;
@@ -463,24 +609,24 @@ impl Run<'_> {
                         n += 1;
                     }
                     if n > 0 {
-                        q.flush()?;
+                        q.post()?;
                     }
                 }
             }
             let mut got = 0;
             let rep = &mut self.rep;
             for q in queues.iter_mut() {
-                got += q.poll(|c, data| {
+                got += q.poll_io(|c, data| {
                     rep.ios += 1;
-                    rep.latency.record(c.latency.as_nanos() as u64);
+                    rep.latency.record(c.latency().as_nanos() as u64);
                     if let Some(p) = c.problem() {
                         rep.errors += 1;
                         rep.first_error.get_or_insert(p);
                         return;
                     }
                     rep.bytes += bs as u64;
-                    if ph.verify && !ph.write && c.req_type == types::IN && c.status == status::OK {
-                        let off = c.user * bs as u64;
+                    if ph.verify && !ph.write && c.read_ok() {
+                        let off = c.user() * bs as u64;
                         if let Some(i) = check_pattern(data, off, seed) {
                             let at = off + i as u64;
                             rep.mismatch = Some(rep.mismatch.map_or(at, |m| m.min(at)));
@@ -518,7 +664,7 @@ impl Run<'_> {
             if self.w.poll {
                 if pass.is_multiple_of(4096) {
                     for q in queues.iter_mut() {
-                        q.queue.ring.refresh_disabled();
+                        q.virtqueue().ring.refresh_disabled();
                     }
                 }
             } else if got == 0 && in_flight > 0 {
@@ -530,15 +676,15 @@ impl Run<'_> {
 
 /// Sleeps until a call comes on any of `queues` or `timeout` passes
 /// (returns at once if completions are already waiting).
-pub fn wait_any(queues: &mut [BlkQueue], timeout: Duration) -> Result<(), Error> {
+pub fn wait_any<Q: IoQueue>(queues: &mut [Q], timeout: Duration) -> Result<(), Error> {
     use std::os::unix::io::AsRawFd;
     let mut fds = [libc::pollfd { fd: -1, events: libc::POLLIN, revents: 0 }; 64];
     for (i, q) in queues.iter_mut().enumerate() {
-        if q.queue.ring.enable_notifications() {
+        if q.virtqueue().ring.enable_notifications() {
             return Ok(());
         }
         if let Some(p) = fds.get_mut(i) {
-            p.fd = q.queue.call_fd().as_raw_fd();
+            p.fd = q.virtqueue().call_fd().as_raw_fd();
         }
     }
     let n = queues.len().min(fds.len());
@@ -551,8 +697,8 @@ pub fn wait_any(queues: &mut [BlkQueue], timeout: Duration) -> Result<(), Error>
             return Err(Error::Io(e));
         }
     }
-    for q in queues.iter() {
-        q.queue.take_calls();
+    for q in queues.iter_mut() {
+        q.virtqueue().take_calls();
     }
     Ok(())
 }

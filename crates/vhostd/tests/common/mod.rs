@@ -511,3 +511,136 @@ pub fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[std::os::fd::RawFd]) -
     }
     Ok(n as usize)
 }
+
+/// Whether the tests run as root. Tests that need root (mounts, namespaces)
+/// call `needs_root` first and end early, with a note, when not.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid(2) has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// True when the test may go on; false (after a note saying why) when it
+/// needs root and the tests do not run as root.
+pub fn needs_root(what: &str) -> bool {
+    if is_root() {
+        return true;
+    }
+    eprintln!("note: {what} needs root; skipping");
+    false
+}
+
+/// A disk that hangs: a FUSE file system (tests/hanging_fs.py) holding one
+/// file, `disk` (zeros at first, kept in the file system's memory), whose
+/// reads and writes wait while it is held (`hold`), as on an NFS mount
+/// whose server went away. Unmounted and stopped on drop (declare it
+/// before the daemon, which then goes first). Needs root and
+/// python3-fusepy (scripts/setup installs it).
+pub struct HangingDisk {
+    child: Child,
+    mnt: PathBuf,
+    hold: PathBuf,
+}
+
+impl HangingDisk {
+    /// Mounts one at `dir`/hanging holding a disk of `bytes` bytes.
+    pub fn mount(dir: &Path, bytes: u64) -> HangingDisk {
+        let mnt = dir.join("hanging");
+        std::fs::create_dir_all(&mnt).unwrap();
+        let hold = dir.join("hold");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/hanging_fs.py");
+        // Debian's python3, which python3-fusepy installs into (not one a
+        // version manager put first on PATH).
+        let child = Command::new("/usr/bin/python3")
+            .arg(script)
+            .arg(&mnt)
+            .arg(bytes.to_string())
+            .arg(&hold)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("python3 (scripts/setup installs it, with python3-fusepy)");
+        let d = HangingDisk { child, mnt, hold };
+        assert!(
+            wait_until(Duration::from_secs(10), || d.disk().exists()),
+            "the FUSE file system did not come up (needs /dev/fuse and python3-fusepy: scripts/setup)"
+        );
+        d
+    }
+
+    /// The disk file.
+    pub fn disk(&self) -> PathBuf {
+        self.mnt.join("disk")
+    }
+
+    /// Holds reads and writes until the guard is released or dropped
+    /// (declare it after the daemon: a process waiting on the disk cannot
+    /// be reaped until it answers).
+    pub fn hold(&self) -> Held {
+        std::fs::write(&self.hold, b"").unwrap();
+        Held(self.hold.clone())
+    }
+}
+
+/// Reads and writes of a `HangingDisk` wait while this lives.
+pub struct Held(PathBuf);
+
+impl Held {
+    /// Lets them go on.
+    pub fn release(self) {}
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Drop for HangingDisk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.hold);
+        let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Image files: their bytes, holes and allocated space.
+pub mod image {
+    use std::fs::{self, File};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::path::Path;
+
+    /// `len` bytes of `p` at `off`.
+    pub fn read(p: &Path, off: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        File::open(p).unwrap().read_exact_at(&mut b, off).unwrap();
+        b
+    }
+
+    /// `len` bytes of the image at `off` are still the pattern of `seed`
+    /// (vhostd_user's `fill_pattern`).
+    pub fn assert_pattern(p: &Path, off: u64, len: usize, seed: u64) {
+        let b = read(p, off, len);
+        assert_eq!(vhostd_user::blk::workload::check_pattern(&b, off, seed), None, "image changed at {off}+{len}");
+    }
+
+    /// `len` bytes of the image at `off` are zeros.
+    pub fn assert_zero(p: &Path, off: u64, len: usize) {
+        let b = read(p, off, len);
+        assert_eq!(b.iter().position(|&x| x != 0), None, "image not zero at {off}+{len}");
+    }
+
+    /// 512-byte units allocated to the file.
+    pub fn allocated(p: &Path) -> u64 {
+        fs::metadata(p).unwrap().blocks()
+    }
+
+    /// lseek(SEEK_HOLE / SEEK_DATA) from `off`.
+    pub fn seek(p: &Path, off: u64, whence: libc::c_int) -> u64 {
+        let file = File::open(p).unwrap();
+        // SAFETY: lseek on a descriptor we own; the result is checked.
+        let r = unsafe { libc::lseek(file.as_raw_fd(), off as libc::off_t, whence) };
+        assert!(r >= 0, "lseek: {}", std::io::Error::last_os_error());
+        r as u64
+    }
+}

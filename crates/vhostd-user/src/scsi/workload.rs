@@ -1,0 +1,127 @@
+//! The blk workload engine (`crate::blk::workload`) over scsi request
+//! queues: reads and writes are READ(16) and WRITE(16) of whole blocks of
+//! the unit each queue addresses (`ScsiQueue::set_lun`), the verify flush
+//! is SYNCHRONIZE CACHE(10) of the whole unit.
+
+use super::{response, status, Cmd, ScsiCompletion, ScsiQueue};
+use crate::blk::workload::{run_queues, IoCompletion, IoQueue, Report, Workload};
+use crate::queue::VirtQueue;
+use crate::Error;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+pub use crate::blk::workload::{check_pattern, fill_pattern, Histogram, Mode};
+
+/// Runs `w` over `queues` (each addressing the unit `set_lun` chose, whose
+/// block size `set_disk` or `probe_disk` gave) of a unit of `cap_bytes`
+/// bytes. `stop` ends it early, letting commands in flight finish.
+/// Command errors and mismatches are in the report; a broken ring, a
+/// stalled device or bad parameters are errors.
+pub fn run(queues: &mut [ScsiQueue], cap_bytes: u64, w: &Workload, stop: Option<&AtomicBool>) -> Result<Report, Error> {
+    if let Some(q) = queues.iter().find(|q| !w.bs.is_multiple_of(q.block_size())) {
+        return Err(Error::Config(format!(
+            "bs {} is not a multiple of the unit's {}-byte blocks",
+            w.bs,
+            q.block_size()
+        )));
+    }
+    run_queues(queues, cap_bytes, w, stop)
+}
+
+/// `IoQueue::sync_cache`'s status: the SCSI status when the response is
+/// OK, else 0x80 | the response.
+fn flush_status(c: &ScsiCompletion) -> u8 {
+    if c.resp.response == response::OK {
+        c.resp.status
+    } else {
+        0x80 | c.resp.response
+    }
+}
+
+impl IoCompletion for ScsiCompletion {
+    #[inline]
+    fn user(&self) -> u64 {
+        self.user
+    }
+    #[inline]
+    fn latency(&self) -> Duration {
+        self.latency
+    }
+    #[inline]
+    fn problem(&self) -> Option<String> {
+        if let Some(p) = ScsiCompletion::problem(self) {
+            return Some(p);
+        }
+        // A READ or WRITE moves its whole buffer.
+        (self.resp.residual != 0).then(|| {
+            format!(
+                "command {:#04x} (tag {}): residual {} of {:?}",
+                self.opcode, self.id, self.resp.residual, self.data
+            )
+        })
+    }
+    #[inline]
+    fn read_ok(&self) -> bool {
+        matches!(self.data, super::Data::In(_))
+            && self.resp.response == response::OK
+            && self.resp.status == status::GOOD
+    }
+}
+
+impl IoQueue for ScsiQueue {
+    type Completion = ScsiCompletion;
+    const KIND: &'static str = "scsi";
+    fn virtqueue(&mut self) -> &mut VirtQueue {
+        &mut self.queue
+    }
+    fn depth(&self) -> u16 {
+        ScsiQueue::depth(self)
+    }
+    fn max_data(&self) -> u32 {
+        ScsiQueue::max_data(self)
+    }
+    #[inline]
+    fn in_flight(&self) -> u16 {
+        ScsiQueue::in_flight(self)
+    }
+    fn reordered(&self) -> u64 {
+        ScsiQueue::reordered(self)
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    #[inline]
+    fn submit_io(
+        &mut self,
+        write: bool,
+        offset: u64,
+        len: u32,
+        user: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<bool, Error> {
+        let bs = self.block_size;
+        let (lba, blocks) = (offset / bs as u64, len / bs);
+        let cmd = if write { Cmd::write_16(lba, blocks, bs) } else { Cmd::read_16(lba, blocks, bs) };
+        self.submit(&cmd, user, fill)
+    }
+    #[inline]
+    fn post(&mut self) -> Result<bool, Error> {
+        self.flush()
+    }
+    #[inline]
+    fn poll_io(&mut self, f: impl FnMut(&ScsiCompletion, &[u8])) -> Result<usize, Error> {
+        self.poll(f)
+    }
+    fn sync_cache(&mut self, timeout: Duration) -> Result<Option<(u8, ScsiCompletion)>, Error> {
+        let r = self.request(Cmd::synchronize_cache_10(0, 0), &[], timeout)?;
+        Ok(Some((flush_status(&r.completion), r.completion)))
+    }
+    fn status_name(s: u8) -> String {
+        match s {
+            status::GOOD => "ok".into(),
+            0xff => "unwritten".into(),
+            s if s & 0x80 != 0 => super::response_name(s & 0x7f),
+            s => super::status_name(s),
+        }
+    }
+}
