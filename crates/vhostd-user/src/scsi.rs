@@ -372,6 +372,11 @@ impl ScsiCompletion {
 
     /// What went wrong, if anything (for messages).
     pub fn problem(&self) -> Option<String> {
+        if self.resp.response == response::OK && self.resp.status == status::GOOD && self.len_ok() {
+            // The usual case, asked per command in the workloads: nothing
+            // to format.
+            return None;
+        }
         let what = format!("command {:#04x} (tag {})", self.opcode, self.id);
         if self.resp.response != response::OK {
             return Some(format!("{what}: response {}", response_name(self.resp.response)));
@@ -445,8 +450,14 @@ struct Slot {
     seq: u64,
 }
 
+/// A command slot's control block: the request header at 0..51, the
+/// response header right after it at 52..160, as Linux's virtio_scsi lays
+/// out its `virtio_scsi_cmd`: the response's first 12 bytes (all the
+/// device writes unless there is sense data) share the request header's
+/// cache line, so a command moves one line between the CPUs each way, as
+/// a blk request's header and status byte do.
 const CTRL_STRIDE: u64 = 256;
-const CTRL_RESP: u64 = 64;
+const CTRL_RESP: u64 = 52;
 
 /// A virtio-scsi request queue with `depth` command slots.
 pub struct ScsiQueue {
@@ -791,7 +802,7 @@ impl ScsiQueue {
         let hdr = CmdReq { lun, id, task_attr: 0, prio: 0, crn: 0, cdb: cmd.cdb }.bytes();
         let p = self.ctrl_ptr(slot, 0);
         // SAFETY: the slot's control block is ours (not in flight): request
-        // header at 0..51, response header at 64..172, inside its 256 bytes.
+        // header at 0..51, response header at 52..160, inside its 256 bytes.
         unsafe {
             std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, REQ_LEN);
             // The response's sense_len, residual, status qualifier, status

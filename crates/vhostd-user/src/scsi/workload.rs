@@ -101,7 +101,14 @@ impl IoQueue for ScsiQueue {
     ) -> Result<bool, Error> {
         let bs = self.block_size;
         let (lba, blocks) = (offset / bs as u64, len / bs);
-        let cmd = if write { Cmd::write_16(lba, blocks, bs) } else { Cmd::read_16(lba, blocks, bs) };
+        // As Linux's sd does: the 10-byte commands while they can say it
+        // (some targets, vhost-device-scsi among them, take no READ(16)).
+        let cmd = match (u32::try_from(lba), u16::try_from(blocks)) {
+            (Ok(l), Ok(b)) if write => Cmd::write_10(l, b, bs),
+            (Ok(l), Ok(b)) => Cmd::read_10(l, b, bs),
+            _ if write => Cmd::write_16(lba, blocks, bs),
+            _ => Cmd::read_16(lba, blocks, bs),
+        };
         self.submit(&cmd, user, fill)
     }
     #[inline]
