@@ -300,11 +300,27 @@ pub fn event_bytes(event: u32, lun: [u8; 8], reason: u32) -> [u8; 16] {
     b
 }
 
-/// The 8-byte LUN field for `unit` of target 0, in single-level flat
-/// space addressing for every unit, as Linux's virtio_scsi and QEMU write
-/// it (some targets, vhost-device-scsi among them, take no other form);
-/// `parse_virtio_lun` also reads peripheral addressing below 256.
+/// The 8-byte LUN field for `unit` of target 0 as REPORT LUNS lists it
+/// (single-level: peripheral addressing below 256, flat space above), as
+/// `parse_virtio_lun` reads it. The event queue names units this way:
+/// Linux takes an event's LUN bytes as the number REPORT LUNS gave it
+/// (flat space for LUN 3 would be unit 16387 to it), as QEMU does too.
 pub fn lun_field(unit: u16) -> [u8; 8] {
+    let mut l = [0u8; 8];
+    l[0] = 1;
+    if unit < 256 {
+        l[3] = unit as u8;
+    } else {
+        l[2] = 0x40 | (unit >> 8) as u8 & 0x3f;
+        l[3] = unit as u8;
+    }
+    l
+}
+
+/// The LUN field a driver addresses a command to `unit` of target 0 with,
+/// as Linux's virtio_scsi writes it: flat space for every unit (some
+/// targets, vhost-device-scsi among them, take no other form).
+pub fn command_lun(unit: u16) -> [u8; 8] {
     let mut l = [0u8; 8];
     l[0] = 1;
     l[2] = 0x40 | (unit >> 8) as u8 & 0x3f;
@@ -382,7 +398,9 @@ mod tests {
     fn events_are_laid_out_as_the_spec_says() {
         let e = event_bytes(event::TRANSPORT_RESET | event::EVENTS_MISSED, lun_field(2), event::REMOVED);
         assert_eq!(&e[0..4], &[1, 0, 0, 0x80]);
-        assert_eq!(&e[4..12], &[1, 0, 0x40, 2, 0, 0, 0, 0], "flat space, as Linux and QEMU write it");
+        assert_eq!(&e[4..12], &[1, 0, 0, 2, 0, 0, 0, 0], "peripheral addressing, as REPORT LUNS lists LUN 2");
+        assert_eq!(command_lun(2), [1, 0, 0x40, 2, 0, 0, 0, 0], "flat space, as Linux addresses commands");
+        assert_eq!(crate::parse_virtio_lun(&command_lun(300)), Some((0, 300)));
         assert_eq!(&e[12..16], &[2, 0, 0, 0]);
     }
 }

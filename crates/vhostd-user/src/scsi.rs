@@ -30,8 +30,8 @@ use virtq_driver::{Buf, Used};
 // The wire format is the device's (one definition for both sides).
 pub use vhostd_scsi::sense::{key, Sense};
 pub use vhostd_scsi::wire::{
-    ctrl, event, lun_field, response, tmf, CmdReq, CmdResp, Config as ScsiConfig, CtrlReq, AN_REQ_LEN, AN_RESP_LEN,
-    CDB_SIZE, CONFIG_LEN, REQ_LEN, RESP_LEN, SENSE_SIZE, TMF_REQ_LEN, TMF_RESP_LEN,
+    command_lun, ctrl, event, lun_field, response, tmf, CmdReq, CmdResp, Config as ScsiConfig, CtrlReq, AN_REQ_LEN,
+    AN_RESP_LEN, CDB_SIZE, CONFIG_LEN, REQ_LEN, RESP_LEN, SENSE_SIZE, TMF_REQ_LEN, TMF_RESP_LEN,
 };
 pub use vhostd_scsi::{op, status};
 
@@ -601,7 +601,7 @@ impl VirtioUser {
             seq: 0,
             max_done_seq: 0,
             reordered: 0,
-            lun: lun_field(0),
+            lun: command_lun(0),
             next_id: 1,
             block_size: 512,
             read_only: false,
@@ -700,7 +700,7 @@ impl ScsiQueue {
 
     /// Makes `submit` and `request` address unit `unit` of target 0.
     pub fn set_lun(&mut self, unit: u16) {
-        self.lun = lun_field(unit);
+        self.lun = command_lun(unit);
     }
 
     /// Makes `submit` and `request` address this LUN field, whatever it holds.
