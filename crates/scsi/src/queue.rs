@@ -511,7 +511,7 @@ impl ScsiQueue {
         slot.uid = 0;
         slot.id = 0;
         // The response header: the first RESP_LEN writable bytes.
-        if writable.bytes() < RESP_LEN || !writable.lend_front(RESP_LEN, &mut slot.io) {
+        if !writable.lend_front(RESP_LEN, &mut slot.io) {
             self.stats.no_response += 1;
             return;
         }
@@ -616,43 +616,39 @@ impl ScsiQueue {
                     }
                 };
                 match action {
-                    Action::Read { lba, blocks } => {
-                        self.stats.reads += 1;
+                    Action::Read { lba, blocks } | Action::Write { lba, blocks, .. } => {
+                        let write = matches!(action, Action::Write { .. });
+                        // Data-out follows the request header; data-in the response.
+                        let (bufs, skip, avail) =
+                            if write { (readable, REQ_LEN, data_out) } else { (writable, RESP_LEN, data_in) };
+                        if write {
+                            self.stats.writes += 1;
+                        } else {
+                            self.stats.reads += 1;
+                        }
                         let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
-                        if (data_in as u64) < len {
+                        if (avail as u64) < len {
                             self.stats.overruns += 1;
                             slot.response = response::OVERRUN;
                             return;
                         }
-                        if !writable.lend(RESP_LEN, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
+                        if !bufs.lend(skip, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
                             slot.status = status::CHECK_CONDITION;
                             slot.sense = Some(Sense::INVALID_FIELD_IN_CDB);
                             return;
                         }
-                        slot.kind = Kind::Read;
                         slot.bytes = len;
-                        slot.residual = (data_in as u64 - len).min(u32::MAX as u64) as u32;
-                        slot.used_len += len as u32;
-                        queue(Op::Read, off, len, &slot.io);
-                    }
-                    Action::Write { lba, blocks, fua } => {
-                        self.stats.writes += 1;
-                        let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
-                        if (data_out as u64) < len {
-                            self.stats.overruns += 1;
-                            slot.response = response::OVERRUN;
-                            return;
+                        slot.residual = (avail as u64 - len).min(u32::MAX as u64) as u32;
+                        if write {
+                            slot.kind = Kind::Write;
+                            slot.then_flush =
+                                matches!(action, Action::Write { fua: true, .. }) || !u.lun.disk.write_cache;
+                            queue(Op::Write, off, len, &slot.io);
+                        } else {
+                            slot.kind = Kind::Read;
+                            slot.used_len += len as u32;
+                            queue(Op::Read, off, len, &slot.io);
                         }
-                        if !readable.lend(REQ_LEN, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
-                            slot.status = status::CHECK_CONDITION;
-                            slot.sense = Some(Sense::INVALID_FIELD_IN_CDB);
-                            return;
-                        }
-                        slot.kind = Kind::Write;
-                        slot.bytes = len;
-                        slot.residual = (data_out as u64 - len).min(u32::MAX as u64) as u32;
-                        slot.then_flush = fua || !u.lun.disk.write_cache;
-                        queue(Op::Write, off, len, &slot.io);
                     }
                     Action::Flush => {
                         self.stats.flushes += 1;
