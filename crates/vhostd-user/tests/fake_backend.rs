@@ -411,9 +411,10 @@ fn hostile_used_entries_are_errors_not_panics() {
     server.join().unwrap();
 }
 
-#[test]
-fn cli_txonly_count_against_fake_backend() {
-    let dir = std::env::temp_dir().join(format!("vhostd-user-test-{}", std::process::id()));
+/// Runs `vhostd-user net` with `args` (after --socket-path) against the
+/// fake backend; its stdout, once it exited 0.
+fn cli_against_fake_backend(tag: &str, args: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("vhostd-user-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("sock");
     let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
@@ -422,35 +423,31 @@ fn cli_txonly_count_against_fake_backend() {
         serve(s).join().unwrap();
     });
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vhostd-user"))
-        .args(["net", "--socket-path", path.to_str().unwrap(), "--mode", "txonly", "--count", "20000"])
-        .args(["--queue-size", "128", "--pkt-size", "100"])
+        .args(["net", "--socket-path", path.to_str().unwrap()])
+        .args(args)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "stdout {stdout} stderr {}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.starts_with("report packets=20000 bytes=2000000 seconds="), "{stdout}");
     server.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+    stdout
+}
+
+#[test]
+fn cli_txonly_count_against_fake_backend() {
+    let stdout = cli_against_fake_backend(
+        "test",
+        &["--mode", "txonly", "--count", "20000", "--queue-size", "128", "--pkt-size", "100"],
+    );
+    assert!(stdout.starts_with("report packets=20000 bytes=2000000 seconds="), "{stdout}");
 }
 
 /// `--rate` offers that many frames per second, sent or (ring full)
 /// counted dropped, not as many as the backend would take.
 #[test]
 fn cli_rate_offers_frames_at_that_rate() {
-    let dir = std::env::temp_dir().join(format!("vhostd-user-rate-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sock");
-    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    let server = std::thread::spawn(move || {
-        let (s, _) = listener.accept().unwrap();
-        serve(s).join().unwrap();
-    });
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vhostd-user"))
-        .args(["net", "--socket-path", path.to_str().unwrap(), "--mode", "txrx", "--rate", "0.05", "--duration", "1"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "stdout {stdout} stderr {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = cli_against_fake_backend("rate", &["--mode", "txrx", "--rate", "0.05", "--duration", "1"]);
     let val = |k: &str| -> u64 {
         let kv = stdout
             .split_whitespace()
@@ -462,8 +459,6 @@ fn cli_rate_offers_frames_at_that_rate() {
     // run's end is checked every 256 passes).
     let offered = val("tx_packets") + val("tx_dropped");
     assert!((45_000..=55_000).contains(&offered), "offered {offered}: {stdout}");
-    server.join().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
