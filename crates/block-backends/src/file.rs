@@ -180,6 +180,9 @@ pub struct FileBackend {
     file: Arc<File>,
     /// Wakes a sleeping dataplane when completions are posted.
     eventfd: OwnedFd,
+    /// The eventfd the ring signals: `eventfd`, or the caller's
+    /// (`signal_completions_to`).
+    signalled: RawFd,
     slab: Slab,
     depth: usize,
     read_only: bool,
@@ -215,6 +218,7 @@ impl FileBackend {
         Ok(FileBackend {
             ring,
             file,
+            signalled: eventfd.as_raw_fd(),
             eventfd,
             slab: Slab::new(depth),
             depth,
@@ -452,14 +456,33 @@ impl BlockBackend for FileBackend {
     }
 
     fn completion_fd(&self) -> Option<RawFd> {
-        Some(self.eventfd.as_raw_fd())
+        Some(self.signalled)
     }
 
     fn ack_completion_event(&mut self) {
         let mut v = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a local buffer from our own
-        // non-blocking eventfd; an empty one returns EAGAIN.
-        unsafe { libc::read(self.eventfd.as_raw_fd(), v.as_mut_ptr() as *mut libc::c_void, 8) };
+        // SAFETY: reads at most 8 bytes into a local buffer from the
+        // eventfd the ring signals (non-blocking: ours, or one the caller
+        // keeps open and made non-blocking); an empty one returns EAGAIN.
+        unsafe { libc::read(self.signalled, v.as_mut_ptr() as *mut libc::c_void, 8) };
+    }
+
+    fn signal_completions_to(&mut self, fd: RawFd) -> bool {
+        // The ring holds its own reference to the eventfd it signals, so
+        // the caller closing `fd` early cannot leave it signalling another file.
+        let submitter = self.ring.submitter();
+        if submitter.unregister_eventfd().is_err() {
+            return false;
+        }
+        if submitter.register_eventfd(fd).is_ok() {
+            self.signalled = fd;
+            return true;
+        }
+        // Back to our own, so completions still wake someone.
+        if let Err(e) = submitter.register_eventfd(self.eventfd.as_raw_fd()) {
+            tracing::warn!("io_uring: cannot register its completion eventfd again ({e})");
+        }
+        false
     }
 
     fn stats(&self) -> BlockStats {

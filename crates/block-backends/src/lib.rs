@@ -119,6 +119,16 @@ pub trait BlockBackend: Send {
     /// The dataplane woke on `completion_fd`: consume the wake-up (the
     /// completions themselves come from `reap`).
     fn ack_completion_event(&mut self) {}
+    /// Signals completions on `fd`, an eventfd the caller keeps open and
+    /// may share between backends, instead of on its own `completion_fd`
+    /// (which then returns `fd`). A dataplane that runs several backends
+    /// (virtio-scsi's units) then sleeps on one descriptor: an epoll set of
+    /// theirs nested in its own costs the kernel a second wake-up per
+    /// completion. False if the backend cannot (it keeps its own), or has
+    /// no completion descriptor.
+    fn signal_completions_to(&mut self, _fd: std::os::unix::io::RawFd) -> bool {
+        false
+    }
     /// The backend's own counters.
     fn stats(&self) -> BlockStats;
 }

@@ -1,6 +1,7 @@
 //! The file backend against real temporary files (and the null backend).
 
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::RawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -476,6 +477,39 @@ fn completion_fd_wakes_after_submit() {
     let mut out = Vec::new();
     b.reap(&mut out);
     assert_eq!(out, vec![Completion { tag: 7, result: 4096 }]);
+}
+
+#[test]
+fn two_backends_signal_one_shared_eventfd() {
+    let t = Temp::file("shared-efd", 65536);
+    let (mut a, mut b) = (one(&t.path, 4), one(&t.path, 4));
+    // SAFETY: eventfd() takes no pointers; checked below.
+    let shared = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    assert!(shared >= 0);
+    let own = a.completion_fd().unwrap();
+    assert!(a.signal_completions_to(shared) && b.signal_completions_to(shared));
+    assert_eq!((a.completion_fd(), b.completion_fd()), (Some(shared), Some(shared)));
+    let mut g = Guest::new();
+    let at = g.alloc(2 * 4096, 0);
+    let (ia, ib) = (g.io(&[(at, 4096)]), g.io(&[(at + 4096, 4096)]));
+    let wait = |fd: RawFd, ms: i32| {
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, bounded timeout.
+        unsafe { libc::poll(&mut pfd, 1, ms) }
+    };
+    for (k, (backend, io)) in [(&mut a, &ia), (&mut b, &ib)].into_iter().enumerate() {
+        backend.queue(&req(k as u64, Op::Read, 0, 4096, io)).unwrap();
+        backend.submit();
+        assert_eq!(wait(shared, 5000), 1, "backend {k}'s completion signals the shared eventfd");
+        backend.ack_completion_event();
+        let mut out = Vec::new();
+        backend.reap(&mut out);
+        assert_eq!(out, vec![Completion { tag: k as u64, result: 4096 }]);
+    }
+    assert_eq!(wait(own, 0), 0, "the backend's own eventfd is no longer signalled");
+    drop((a, b));
+    // SAFETY: our descriptor, closed once.
+    unsafe { libc::close(shared) };
 }
 
 #[test]

@@ -11,8 +11,8 @@
 //! when none of them is in flight; the control group then answers.
 
 use std::collections::VecDeque;
-use std::os::unix::io::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::unix::io::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vhostd_block_backends::{BlockBackend, DiskInfo};
@@ -22,6 +22,7 @@ use vhostd_device::{
 };
 use virtq::ring::features as ring;
 use virtq::{Access, IoBufs, QueueStats};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::queue::{ScsiQueue, MAX_TRANSFER, SEG_MAX};
 use crate::wire::{self, event, features, response, tmf, CtrlReq, CDB_SIZE, CONFIG_LEN, SENSE_SIZE};
@@ -158,6 +159,13 @@ pub struct ScsiDevice {
     pub(crate) units_gen: AtomicU64,
     pub(crate) board: Board,
     events: Mutex<Events>,
+    /// `events` has something to deliver (an event, or the missed flag):
+    /// set and cleared under its lock, read without it, so the control
+    /// group's every pass takes no lock while there is nothing.
+    events_due: AtomicBool,
+    /// One eventfd per request queue (made by `build`), which every unit's
+    /// backend for that queue signals when it has completions.
+    wakes: Vec<Arc<EventFd>>,
     /// The features the driver acked (HOTPLUG decides events).
     acked: AtomicU64,
 }
@@ -182,6 +190,8 @@ impl ScsiDevice {
                 }),
             },
             events: Mutex::new(Events { queue: VecDeque::new(), missed: false }),
+            events_due: AtomicBool::new(false),
+            wakes: Vec::new(),
             acked: AtomicU64::new(0),
         }
     }
@@ -214,11 +224,26 @@ impl ScsiDevice {
             if units.iter().any(|l| l.number == n) {
                 return Err(format!("LUN {n} is already in use"));
             }
+            self.route_completions(&lun);
             units.push(Arc::new(lun));
             units.sort_by_key(|l| l.number);
         }
         self.units_changed(n, event::RESCAN);
         Ok(())
+    }
+
+    /// Has each of `lun`'s backends signal its request queue's eventfd.
+    /// Done here, as the unit is added (io_uring_register is a system call
+    /// the sandbox allows only where devices are built), not on a worker.
+    fn route_completions(&self, lun: &Lun) {
+        let mut backends = lun.backends.lock().unwrap_or_else(|e| e.into_inner());
+        for (b, wake) in backends.iter_mut().zip(&self.wakes) {
+            if let Some(b) = b {
+                if b.completion_fd().is_some() && !b.signal_completions_to(wake.as_raw_fd()) {
+                    tracing::warn!(unit = lun.number, "a backend cannot signal its queue: its requests are polled for");
+                }
+            }
+        }
     }
 
     /// Removes unit `n`: new commands to it are refused at once, those in
@@ -245,6 +270,7 @@ impl ScsiDevice {
         if self.acked.load(Ordering::Acquire) & features::HOTPLUG != 0 {
             let mut ev = self.events.lock().unwrap_or_else(|e| e.into_inner());
             ev.queue.push_back(wire::event_bytes(event::TRANSPORT_RESET, wire::lun_field(n), reason));
+            self.events_due.store(true, Ordering::Release);
             board.wake_control();
         }
     }
@@ -264,13 +290,17 @@ impl ScsiDevice {
 
 /// The device with `queues` request queues; its units are added with
 /// [`ScsiDevice::add_lun`] (before or after it is served).
-pub fn build(dev: ScsiDevice) -> std::io::Result<(Arc<ScsiDevice>, Built)> {
+pub fn build(mut dev: ScsiDevice) -> std::io::Result<(Arc<ScsiDevice>, Built)> {
+    dev.wakes = (0..dev.queues).map(|_| EventFd::new(EFD_NONBLOCK).map(Arc::new)).collect::<Result<_, _>>()?;
+    for lun in dev.units.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        dev.route_completions(lun);
+    }
     let dev = Arc::new(dev);
     let mut groups: Vec<Box<dyn QueueGroup>> = vec![Box::new(CtrlGroup::new(dev.clone()))];
     for i in 0..dev.queues {
         groups.push(Box::new(ReqGroup {
             index: i,
-            queue: ScsiQueue::new(i as usize, DEPTH)?,
+            queue: ScsiQueue::new(i as usize, DEPTH, dev.wakes[i as usize].clone()),
             dev: dev.clone(),
             stopping: false,
         }));
@@ -344,6 +374,7 @@ impl Device for ScsiDevice {
         let mut ev = self.events.lock().unwrap_or_else(|e| e.into_inner());
         ev.queue.clear();
         ev.missed = false;
+        self.events_due.store(false, Ordering::Release);
     }
 
     fn tracks_inflight(&self) -> bool {
@@ -661,7 +692,17 @@ impl CtrlGroup {
     /// Delivers pending events into the event queue's buffers; with none
     /// posted, drops them and flags the next event EVENTS_MISSED.
     fn events(&mut self, ring: Option<&mut Ring>) -> usize {
-        let mut ev = self.dev.events.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.dev.events_due.load(Ordering::Acquire) {
+            return 0;
+        }
+        let dev = self.dev.clone();
+        let mut ev = dev.events.lock().unwrap_or_else(|e| e.into_inner());
+        let n = self.deliver(&mut ev, ring);
+        dev.events_due.store(!ev.queue.is_empty() || ev.missed, Ordering::Release);
+        n
+    }
+
+    fn deliver(&mut self, ev: &mut Events, ring: Option<&mut Ring>) -> usize {
         let Some(ring) = ring else {
             if !ev.queue.is_empty() {
                 self.events_missed += ev.queue.len() as u64;

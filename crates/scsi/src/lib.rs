@@ -164,17 +164,11 @@ fn data(mut v: Vec<u8>, alloc: usize) -> Action {
 /// only for UNMAP's and WRITE SAME's parameter data; a WRITE's data is
 /// the caller's to move).
 pub fn execute(disk: &Disk, cdb: &[u8], data_out: &[u8]) -> Action {
-    let Some(&opcode) = cdb.first() else { return Action::Check(Sense::INVALID_OPCODE) };
-    let Some(len) = cdb_len(opcode) else { return Action::Check(Sense::INVALID_OPCODE) };
-    if cdb.len() < len {
-        return Action::Check(Sense::INVALID_FIELD_IN_CDB);
-    }
-    let cdb = &cdb[..len];
-    // CONTROL byte: NACA (bit 2) asks for ACA handling, which this target
-    // does not do (SAM-5 5.9.1.3).
-    if cdb[len - 1] & 0x04 != 0 {
-        return Action::Check(Sense::INVALID_FIELD_IN_CDB);
-    }
+    let cdb = match whole_cdb(cdb) {
+        Ok(cdb) => cdb,
+        Err(s) => return Action::Check(s),
+    };
+    let opcode = cdb[0];
     match opcode {
         op::TEST_UNIT_READY => Action::Data(Vec::new()),
         op::REQUEST_SENSE => request_sense(cdb, None),
@@ -182,8 +176,8 @@ pub fn execute(disk: &Disk, cdb: &[u8], data_out: &[u8]) -> Action {
         op::MODE_SENSE_6 | op::MODE_SENSE_10 => mode_sense(disk, cdb),
         op::READ_CAPACITY_10 => read_capacity_10(disk, cdb),
         op::SERVICE_ACTION_IN_16 if (cdb[1] & 0x1f) as u16 == op::SA_READ_CAPACITY_16 => read_capacity_16(disk, cdb),
-        op::READ_6 | op::READ_10 | op::READ_12 | op::READ_16 => read_write(disk, cdb, false),
-        op::WRITE_6 | op::WRITE_10 | op::WRITE_12 | op::WRITE_16 => read_write(disk, cdb, true),
+        op::READ_6 | op::READ_10 | op::READ_12 | op::READ_16 => read_write(disk, cdb, false).into(),
+        op::WRITE_6 | op::WRITE_10 | op::WRITE_12 | op::WRITE_16 => read_write(disk, cdb, true).into(),
         op::VERIFY_10 | op::VERIFY_16 => verify(disk, cdb),
         op::SYNCHRONIZE_CACHE_10 | op::SYNCHRONIZE_CACHE_16 => synchronize_cache(disk, cdb),
         op::UNMAP if disk.discard => unmap(disk, cdb, data_out),
@@ -194,6 +188,68 @@ pub fn execute(disk: &Disk, cdb: &[u8], data_out: &[u8]) -> Action {
         // REPORT LUNS needs the target's units: `report_luns`.
         _ => Action::Check(Sense::INVALID_OPCODE),
     }
+}
+
+/// The CDB cut to its opcode's length, or the sense that refuses it: an
+/// unknown group, too few bytes, or NACA set in the CONTROL byte (ACA
+/// handling, which this target does not do; SAM-5 5.9.1.3).
+#[inline]
+fn whole_cdb(cdb: &[u8]) -> Result<&[u8], Sense> {
+    let Some(&opcode) = cdb.first() else { return Err(Sense::INVALID_OPCODE) };
+    let Some(len) = cdb_len(opcode) else { return Err(Sense::INVALID_OPCODE) };
+    if cdb.len() < len {
+        return Err(Sense::INVALID_FIELD_IN_CDB);
+    }
+    if cdb[len - 1] & 0x04 != 0 {
+        return Err(Sense::INVALID_FIELD_IN_CDB);
+    }
+    Ok(&cdb[..len])
+}
+
+/// A READ or WRITE as the data path runs it: [`execute`]'s answer for those
+/// opcodes, in a small value with no allocation the caller keeps in
+/// registers (an [`Action`] returned from a call comes back through
+/// memory, and reading it back stalled a null-backend command).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transfer {
+    Read {
+        lba: u64,
+        blocks: u32,
+    },
+    Write {
+        lba: u64,
+        blocks: u32,
+        fua: bool,
+    },
+    /// A transfer of 0 blocks: GOOD, nothing moved.
+    Nothing,
+    Check(Sense),
+}
+
+impl From<Transfer> for Action {
+    fn from(t: Transfer) -> Action {
+        match t {
+            Transfer::Read { lba, blocks } => Action::Read { lba, blocks },
+            Transfer::Write { lba, blocks, fua } => Action::Write { lba, blocks, fua },
+            Transfer::Nothing => Action::Data(Vec::new()),
+            Transfer::Check(s) => Action::Check(s),
+        }
+    }
+}
+
+/// READ and WRITE (6/10/12/16) checked against `disk`, as [`execute`]
+/// answers them; None for every other opcode.
+#[inline]
+pub fn transfer(disk: &Disk, cdb: &[u8]) -> Option<Transfer> {
+    let write = match *cdb.first()? {
+        op::READ_6 | op::READ_10 | op::READ_12 | op::READ_16 => false,
+        op::WRITE_6 | op::WRITE_10 | op::WRITE_12 | op::WRITE_16 => true,
+        _ => return None,
+    };
+    Some(match whole_cdb(cdb) {
+        Ok(cdb) => read_write(disk, cdb, write),
+        Err(s) => Transfer::Check(s),
+    })
 }
 
 /// REQUEST SENSE: the sense pending for the initiator (`pending`; None:
@@ -477,6 +533,7 @@ fn mode_sense(disk: &Disk, cdb: &[u8]) -> Action {
 }
 
 /// LBA and transfer length of a READ, WRITE or VERIFY CDB; FUA.
+#[inline]
 fn lba_len(cdb: &[u8]) -> (u64, u32, bool) {
     match cdb[0] >> 5 {
         0 => {
@@ -499,28 +556,29 @@ fn in_range(disk: &Disk, lba: u64, blocks: u64) -> Result<(), Sense> {
     }
 }
 
-fn read_write(disk: &Disk, cdb: &[u8], write: bool) -> Action {
+#[inline]
+fn read_write(disk: &Disk, cdb: &[u8], write: bool) -> Transfer {
     // RDPROTECT/WRPROTECT: no protection information here.
     if cdb[0] >> 5 != 0 && cdb[1] & 0xe0 != 0 {
-        return Action::Check(Sense::INVALID_FIELD_IN_CDB);
+        return Transfer::Check(Sense::INVALID_FIELD_IN_CDB);
     }
     if write && disk.read_only {
-        return Action::Check(Sense::WRITE_PROTECTED);
+        return Transfer::Check(Sense::WRITE_PROTECTED);
     }
     let (lba, blocks, fua) = lba_len(cdb);
     if blocks > disk.max_transfer_blocks {
-        return Action::Check(Sense::INVALID_FIELD_IN_CDB);
+        return Transfer::Check(Sense::INVALID_FIELD_IN_CDB);
     }
     if let Err(s) = in_range(disk, lba, blocks as u64) {
-        return Action::Check(s);
+        return Transfer::Check(s);
     }
     if blocks == 0 {
-        return Action::Data(Vec::new());
+        return Transfer::Nothing;
     }
     if write {
-        Action::Write { lba, blocks, fua }
+        Transfer::Write { lba, blocks, fua }
     } else {
-        Action::Read { lba, blocks }
+        Transfer::Read { lba, blocks }
     }
 }
 

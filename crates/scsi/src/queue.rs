@@ -21,7 +21,7 @@ use std::sync::Arc;
 use vhostd_block_backends::{BlockBackend, Completion, Op, Request};
 use vhostd_device::{InflightLog, RequestRing};
 use virtq::{Batch, GuestBufs, IoBufs, Queue};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::device::{Board, ScsiDevice, TmfState};
 use crate::wire::{response, REQ_LEN, RESP_LEN};
@@ -122,6 +122,9 @@ struct Unit {
     in_flight: usize,
     /// Gone from the device's table: finishing its requests here.
     removed: bool,
+    /// Its backend signals the queue's `wake` when it finishes
+    /// requests (a file; a null backend finishes them as they are queued).
+    wakes: bool,
 }
 
 /// One request queue's units, requests in flight and counters.
@@ -143,9 +146,9 @@ pub struct ScsiQueue {
     tmf_waiting: bool,
     /// Bytes of UNMAP or WRITE SAME parameter data (a reused buffer).
     param: Vec<u8>,
-    /// Readable when any unit's backend has completions: the queue's one
-    /// event descriptor, whatever units come and go.
-    epoll: Epoll,
+    /// Signalled by every unit's backend when it has completions: the
+    /// queue's one event descriptor, whatever units come and go.
+    wake: Arc<EventFd>,
     pub stats: ScsiStats,
 }
 
@@ -159,8 +162,9 @@ fn offset_of(lba: u64, blocks: u64, block_size: u32) -> Option<(u64, u64)> {
 }
 
 impl ScsiQueue {
-    /// Request queue `index` with at most `depth` requests in flight.
-    pub fn new(index: usize, depth: usize) -> std::io::Result<ScsiQueue> {
+    /// Request queue `index` with at most `depth` requests in flight; its
+    /// units' backends signal `wake` (`ScsiDevice::add_lun`).
+    pub fn new(index: usize, depth: usize, wake: Arc<EventFd>) -> ScsiQueue {
         let depth = depth.clamp(1, u16::MAX as usize);
         let slots = (0..depth)
             .map(|_| Slot {
@@ -184,7 +188,7 @@ impl ScsiQueue {
                 io: IoBufs::with_capacity(SEG_MAX as usize),
             })
             .collect();
-        Ok(ScsiQueue {
+        ScsiQueue {
             index,
             units: Vec::new(),
             units_gen: u64::MAX,
@@ -196,24 +200,14 @@ impl ScsiQueue {
             tmf_seen: 0,
             tmf_waiting: false,
             param: Vec::new(),
-            epoll: Epoll::new()?,
+            wake,
             stats: ScsiStats::default(),
-        })
+        }
     }
 
     /// The descriptor that wakes a sleeping worker for completions.
     pub fn event_fd(&self) -> RawFd {
-        self.epoll.as_raw_fd()
-    }
-
-    /// Adds a backend's completion descriptor to the queue's epoll set.
-    fn watch(&self, fd: RawFd) {
-        if let Err(e) = self.epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, fd as u64)) {
-            tracing::warn!(
-                queue = self.index,
-                "cannot watch a unit's completions ({e}): they are seen on the next kick"
-            );
-        }
+        self.wake.as_raw_fd()
     }
 
     /// Requests popped and not yet completed.
@@ -221,17 +215,16 @@ impl ScsiQueue {
         self.slots.len() - self.free.len()
     }
 
-    /// Whether any unit's backend is finished by the kernel (has a
-    /// completion descriptor).
+    /// Whether every request in flight here is finished by the kernel and
+    /// wakes the queue's event descriptor when it is.
     pub fn completes_elsewhere(&self) -> bool {
-        self.units.iter().any(|u| u.backend.completion_fd().is_some())
+        self.units.iter().all(|u| u.in_flight == 0 || u.wakes)
     }
 
     /// Consumes the backends' wake-ups.
     pub fn ack_completion_events(&mut self) {
-        for u in &mut self.units {
-            u.backend.ack_completion_event();
-        }
+        // A counter read to zero; empty, it answers EAGAIN.
+        let _ = self.wake.read();
     }
 
     /// Backend submission calls, all units.
@@ -263,10 +256,9 @@ impl ScsiQueue {
                 continue;
             }
             if let Some(backend) = lun.take_backend(self.index) {
-                if let Some(fd) = backend.completion_fd() {
-                    self.watch(fd);
-                }
-                self.units.push(Unit { lun: lun.clone(), backend, in_flight: 0, removed: false });
+                // Not signalling `wake` (see `add_lun`): its requests are polled for.
+                let wakes = backend.completion_fd() == Some(self.event_fd());
+                self.units.push(Unit { lun: lun.clone(), backend, in_flight: 0, removed: false, wakes });
                 changed = true;
             }
         }
@@ -552,16 +544,20 @@ impl ScsiQueue {
         } else if let Some(k) = found {
             let disk = &self.units[k].lun.disk;
             slot.descriptor_sense = disk.descriptor_sense;
-            if matches!(cdb[0], op::UNMAP | op::WRITE_SAME_10 | op::WRITE_SAME_16) {
-                // Parameter data (UNMAP's list, WRITE SAME's block), bounded.
-                let n = data_out.min(8 + 16 * crate::MAX_UNMAP_DESCRIPTORS as usize).max(disk.block_size as usize);
-                self.param.resize(n.min(data_out), 0);
-                let got = readable.read(REQ_LEN, &mut self.param);
-                self.param.truncate(got);
+            if let Some(t) = crate::transfer(disk, cdb) {
+                t.into()
             } else {
-                self.param.clear();
+                if matches!(cdb[0], op::UNMAP | op::WRITE_SAME_10 | op::WRITE_SAME_16) {
+                    // Parameter data (UNMAP's list, WRITE SAME's block), bounded.
+                    let n = data_out.min(8 + 16 * crate::MAX_UNMAP_DESCRIPTORS as usize).max(disk.block_size as usize);
+                    self.param.resize(n.min(data_out), 0);
+                    let got = readable.read(REQ_LEN, &mut self.param);
+                    self.param.truncate(got);
+                } else {
+                    self.param.clear();
+                }
+                execute(disk, cdb, &self.param)
             }
-            execute(disk, cdb, &self.param)
         } else {
             self.stats.bad_lun += 1;
             crate::no_such_unit(cdb)
@@ -738,9 +734,9 @@ impl ScsiQueue {
 fn write_response(slot: &mut Slot) -> u32 {
     // The response's layout (`wire::CmdResp`): sense_len, residual,
     // status_qualifier, status, response, then sense (at most 18 bytes here).
-    let mut b = [0u8; 12 + 18];
+    let mut sense = [0u8; 18];
     let sense_len = match slot.sense {
-        Some(s) if slot.response == response::OK => s.write(slot.descriptor_sense, &mut b[12..]),
+        Some(s) if slot.response == response::OK => s.write(slot.descriptor_sense, &mut sense),
         _ => 0,
     };
     if slot.response != response::OK {
@@ -748,11 +744,16 @@ fn write_response(slot: &mut Slot) -> u32 {
         slot.status = status::GOOD;
         slot.used_len = RESP_LEN as u32;
     }
-    b[0..4].copy_from_slice(&(sense_len as u32).to_le_bytes());
-    b[4..8].copy_from_slice(&slot.residual.to_le_bytes());
-    b[10] = slot.status;
-    b[11] = slot.response;
-    slot.io.write_reply(&b[..12 + sense_len]);
+    let [r0, r1, r2, r3] = slot.residual.to_le_bytes();
+    let head = [sense_len as u8, 0, 0, 0, r0, r1, r2, r3, 0, 0, slot.status, slot.response];
+    if sense_len == 0 {
+        slot.io.write_reply_head(head);
+    } else {
+        let mut b = [0u8; 12 + 18];
+        b[..12].copy_from_slice(&head);
+        b[12..12 + sense_len].copy_from_slice(&sense[..sense_len]);
+        slot.io.write_reply(&b[..12 + sense_len]);
+    }
     if slot.status != status::GOOD {
         // Data-in was not (all) delivered.
         slot.used_len = RESP_LEN as u32;

@@ -455,6 +455,13 @@ proptest! {
                               ro: bool, discard: bool) {
         let d = Disk { read_only: ro, discard, blocks: 4096, ..disk() };
         let a = execute(&d, &cdb, &out);
+        // The data path's decoder answers READ and WRITE exactly as execute does.
+        let rw = cdb.first().is_some_and(|o| matches!(o, 0x08 | 0x0a | 0x28 | 0x2a | 0xa8 | 0xaa | 0x88 | 0x8a));
+        let t = transfer(&d, &cdb);
+        prop_assert_eq!(t.is_some(), rw);
+        if let Some(t) = t {
+            prop_assert_eq!(Action::from(t), a.clone());
+        }
         let in_disk = |lba: u64, n: u32| lba + n as u64 <= d.blocks;
         match a {
             Action::Read { lba, blocks } => prop_assert!(in_disk(lba, blocks) && blocks > 0),
