@@ -351,6 +351,7 @@ impl ScsiCompletion {
     }
 
     /// Data-in bytes the device says it transferred (buffer - residual).
+    #[inline]
     pub fn transferred_in(&self) -> u32 {
         self.data.data_in().saturating_sub(self.resp.residual)
     }
@@ -358,6 +359,7 @@ impl ScsiCompletion {
     /// The used length is possible: at most the writable bytes, and for a
     /// typed command that the device answered OK exactly the response
     /// header plus the data-in it transferred.
+    #[inline]
     pub fn len_ok(&self) -> bool {
         self.used_len <= self.writable_len
             && (self.raw
@@ -366,17 +368,23 @@ impl ScsiCompletion {
     }
 
     /// Response OK, status GOOD and a possible used length.
+    #[inline]
     pub fn ok(&self) -> bool {
         self.resp.response == response::OK && self.resp.status == status::GOOD && self.len_ok()
     }
 
     /// What went wrong, if anything (for messages).
+    #[inline]
     pub fn problem(&self) -> Option<String> {
-        if self.resp.response == response::OK && self.resp.status == status::GOOD && self.len_ok() {
-            // The usual case, asked per command in the workloads: nothing
-            // to format.
+        // The usual case, asked per command in the workloads: inline, and
+        // nothing to format.
+        if self.ok() {
             return None;
         }
+        self.describe_problem()
+    }
+
+    fn describe_problem(&self) -> Option<String> {
         let what = format!("command {:#04x} (tag {})", self.opcode, self.id);
         if self.resp.response != response::OK {
             return Some(format!("{what}: response {}", response_name(self.resp.response)));
@@ -1118,6 +1126,7 @@ pub const POISON: u8 = 0xa5;
 
 /// A response header from its RESP_LEN bytes: the 12 fixed bytes, and the
 /// sense only as far as sense_len says.
+#[inline(always)]
 fn read_resp(b: &[u8]) -> CmdResp {
     let mut resp = CmdResp::new(b[11], b[10], u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &[]);
     resp.sense_len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
