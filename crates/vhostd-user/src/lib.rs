@@ -690,8 +690,9 @@ impl VirtioUser {
     }
 
     /// SET_VRING_NUM/BASE/ADDR/KICK/CALL (and SET_VRING_ENABLE when protocol
-    /// features are on) for `q`, starting the backend at vring base `base`
-    /// (split: avail index; packed: index | wrap counter << 15).
+    /// features are on, `set_vring_enable`) for `q`, starting the backend
+    /// at vring base `base` (split: avail index; packed: index | wrap
+    /// counter << 15). Once it returns, `q` may be kicked.
     pub fn start_queue_at(&mut self, q: &VirtQueue, base: u16) -> Result<(), Error> {
         let i = q.index();
         let l = q.ring.layout();
@@ -701,7 +702,7 @@ impl VirtioUser {
         self.fe.set_vring_kick(i, q.kick_fd()).map_err(vh("SET_VRING_KICK"))?;
         self.fe.set_vring_call(i, q.call_fd()).map_err(vh("SET_VRING_CALL"))?;
         if self.features & features::PROTOCOL_FEATURES != 0 {
-            self.fe.set_vring_enable(i, true).map_err(vh("SET_VRING_ENABLE"))?;
+            self.set_vring_enable(i, true)?;
         }
         if !self.started.contains(&i) {
             self.started.push(i);
@@ -715,9 +716,21 @@ impl VirtioUser {
         self.start_queue_at(q, base)
     }
 
-    /// SET_VRING_ENABLE (needs VHOST_USER_F_PROTOCOL_FEATURES).
+    /// SET_VRING_ENABLE (needs VHOST_USER_F_PROTOCOL_FEATURES), returning
+    /// once the backend has taken it: with REPLY_ACK its ack, without it a
+    /// GET_FEATURES answered after it (a backend handles requests in
+    /// order), as QEMU does ("vhost-user: call VHOST_USER_SET_VRING_ENABLE
+    /// synchronously", 2023). A backend may watch kicks on another thread
+    /// than requests and drop a kick that finds the ring still disabled
+    /// (vhost-user-backend before 0.22, so vhost-device-scsi 0.1): a kick
+    /// sent before it read SET_VRING_ENABLE would be lost, and the ring's
+    /// first requests never seen.
     pub fn set_vring_enable(&mut self, index: usize, enable: bool) -> Result<(), Error> {
-        self.fe.set_vring_enable(index, enable).map_err(vh("SET_VRING_ENABLE"))
+        self.fe.set_vring_enable(index, enable).map_err(vh("SET_VRING_ENABLE"))?;
+        if !self.protocol.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+            self.fe.get_features().map_err(vh("GET_FEATURES after SET_VRING_ENABLE"))?;
+        }
+        Ok(())
     }
 
     /// GET_VRING_BASE: stops the ring and returns the backend's next avail index.
