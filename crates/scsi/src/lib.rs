@@ -325,7 +325,7 @@ pub fn report_luns(luns: &[u16], cdb: &[u8]) -> Action {
 /// single-level LUN) addresses, with its target; None for a field that is
 /// not in that form. The REPORT LUNS well-known unit (0xc101) is `0xc101`.
 pub fn parse_virtio_lun(lun: &[u8; 8]) -> Option<(u8, u16)> {
-    if lun[0] != 1 || lun[4..].iter().any(|&b| b != 0) {
+    if lun[0] != 1 || u32::from_ne_bytes([lun[4], lun[5], lun[6], lun[7]]) != 0 {
         return None;
     }
     let (hi, lo) = (lun[2], lun[3]);

@@ -26,7 +26,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::device::{Board, ScsiDevice, TmfState};
 use crate::wire::{response, REQ_LEN, RESP_LEN};
 use crate::Lun;
-use crate::{execute, op, parse_virtio_lun, report_luns, status, Action, Sense};
+use crate::{execute, op, parse_virtio_lun, report_luns, status, Action, Sense, Transfer};
 
 /// Data pieces a request may have (advertised as seg_max, with room for
 /// an unaligned buffer's extra page: the file backend takes 256).
@@ -279,6 +279,13 @@ impl ScsiQueue {
         if room > 0 && !q.is_broken() {
             let (n, rejected) = self.ring.pop(q, batch, room);
             work += rejected;
+            // Fetch every request header (and its response, most often in
+            // the same line) before decoding the first, so their misses
+            // overlap rather than one per command in turn.
+            for chain in &batch.chains {
+                batch.readable(chain).prefetch(0);
+                batch.writable(chain).prefetch_write(0);
+            }
             for chain in &batch.chains {
                 self.start(chain.head, batch.readable(chain), batch.writable(chain), dev);
             }
@@ -538,30 +545,35 @@ impl ScsiQueue {
         if let Some(k) = found {
             slot.uid = self.units[k].lun.uid;
         }
+        if let (Some(k), false) = (found, cdb[0] == op::REPORT_LUNS) {
+            let disk = &self.units[k].lun.disk;
+            slot.descriptor_sense = disk.descriptor_sense;
+            // The data path: READ and WRITE, decoded without an Action.
+            if let Some(t) = crate::transfer(disk, cdb) {
+                self.start_transfer(seq, k, t, readable, writable, data_out, data_in);
+                return;
+            }
+        }
         let action = if cdb[0] == op::REPORT_LUNS {
             let numbers = dev.lun_numbers();
             report_luns(&numbers, cdb)
         } else if let Some(k) = found {
             let disk = &self.units[k].lun.disk;
-            slot.descriptor_sense = disk.descriptor_sense;
-            if let Some(t) = crate::transfer(disk, cdb) {
-                t.into()
+            if matches!(cdb[0], op::UNMAP | op::WRITE_SAME_10 | op::WRITE_SAME_16) {
+                // Parameter data (UNMAP's list, WRITE SAME's block), bounded.
+                let n = data_out.min(8 + 16 * crate::MAX_UNMAP_DESCRIPTORS as usize).max(disk.block_size as usize);
+                self.param.resize(n.min(data_out), 0);
+                let got = readable.read(REQ_LEN, &mut self.param);
+                self.param.truncate(got);
             } else {
-                if matches!(cdb[0], op::UNMAP | op::WRITE_SAME_10 | op::WRITE_SAME_16) {
-                    // Parameter data (UNMAP's list, WRITE SAME's block), bounded.
-                    let n = data_out.min(8 + 16 * crate::MAX_UNMAP_DESCRIPTORS as usize).max(disk.block_size as usize);
-                    self.param.resize(n.min(data_out), 0);
-                    let got = readable.read(REQ_LEN, &mut self.param);
-                    self.param.truncate(got);
-                } else {
-                    self.param.clear();
-                }
-                execute(disk, cdb, &self.param)
+                self.param.clear();
             }
+            execute(disk, cdb, &self.param)
         } else {
             self.stats.bad_lun += 1;
             crate::no_such_unit(cdb)
         };
+        let slot = &mut self.slots[seq as usize];
         match action {
             Action::Data(v) => {
                 if v.len() > data_in {
@@ -576,6 +588,22 @@ impl ScsiQueue {
             Action::Check(s) => {
                 slot.status = status::CHECK_CONDITION;
                 slot.sense = Some(s);
+            }
+            Action::Read { lba, blocks } => {
+                let Some(k) = found else { return };
+                self.start_transfer(seq, k, Transfer::Read { lba, blocks }, readable, writable, data_out, data_in);
+            }
+            Action::Write { lba, blocks, fua } => {
+                let Some(k) = found else { return };
+                self.start_transfer(
+                    seq,
+                    k,
+                    Transfer::Write { lba, blocks, fua },
+                    readable,
+                    writable,
+                    data_out,
+                    data_in,
+                );
             }
             action => {
                 let Some(k) = found else { return };
@@ -605,56 +633,22 @@ impl ScsiQueue {
                 }
                 let empty = IoBufs::new();
                 let mut queued = 0u32;
-                let mut queue = |op: Op, offset: u64, len: u64, bufs: &IoBufs| {
-                    let req = Request { tag: seq as u64, op, offset, len, bufs };
+                let mut queue = |op: Op, offset: u64, len: u64| {
+                    let req = Request { tag: seq as u64, op, offset, len, bufs: &empty };
                     if u.backend.queue(&req).is_ok() {
                         queued += 1;
                     }
                 };
                 match action {
-                    Action::Read { lba, blocks } | Action::Write { lba, blocks, .. } => {
-                        let write = matches!(action, Action::Write { .. });
-                        // Data-out follows the request header; data-in the response.
-                        let (bufs, skip, avail) =
-                            if write { (readable, REQ_LEN, data_out) } else { (writable, RESP_LEN, data_in) };
-                        if write {
-                            self.stats.writes += 1;
-                        } else {
-                            self.stats.reads += 1;
-                        }
-                        let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
-                        if (avail as u64) < len {
-                            self.stats.overruns += 1;
-                            slot.response = response::OVERRUN;
-                            return;
-                        }
-                        if !bufs.lend(skip, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
-                            slot.status = status::CHECK_CONDITION;
-                            slot.sense = Some(Sense::INVALID_FIELD_IN_CDB);
-                            return;
-                        }
-                        slot.bytes = len;
-                        slot.residual = (avail as u64 - len).min(u32::MAX as u64) as u32;
-                        if write {
-                            slot.kind = Kind::Write;
-                            slot.then_flush =
-                                matches!(action, Action::Write { fua: true, .. }) || !u.lun.disk.write_cache;
-                            queue(Op::Write, off, len, &slot.io);
-                        } else {
-                            slot.kind = Kind::Read;
-                            slot.used_len += len as u32;
-                            queue(Op::Read, off, len, &slot.io);
-                        }
-                    }
                     Action::Flush => {
                         self.stats.flushes += 1;
-                        queue(Op::Flush, 0, 0, &empty);
+                        queue(Op::Flush, 0, 0);
                     }
                     Action::WriteZeroes { lba, blocks } => {
                         self.stats.unmaps += 1;
                         slot.residual = unused;
                         let Some((off, len)) = offset_of(lba, blocks as u64, bs) else { return };
-                        queue(Op::WriteZeroes { unmap: false }, off, len, &empty);
+                        queue(Op::WriteZeroes { unmap: false }, off, len);
                     }
                     Action::Unmap(ranges) => {
                         self.stats.unmaps += 1;
@@ -662,13 +656,13 @@ impl ScsiQueue {
                         for (lba, blocks) in ranges {
                             if let Some((off, len)) = offset_of(lba, blocks as u64, bs) {
                                 if len > 0 {
-                                    queue(Op::Discard, off, len, &empty);
+                                    queue(Op::Discard, off, len);
                                 }
                             }
                         }
                     }
-                    // Answered above, without the backend.
-                    Action::Data(_) | Action::Check(_) => {}
+                    // Answered above.
+                    Action::Data(_) | Action::Check(_) | Action::Read { .. } | Action::Write { .. } => {}
                 }
                 if queued > 0 {
                     // Ranges the backend refused fail the command once the rest are done.
@@ -682,6 +676,82 @@ impl ScsiQueue {
                     slot.failed = true;
                 }
             }
+        }
+    }
+
+    /// Starts a READ or WRITE the target checked (`transfer`) on unit
+    /// `k`'s backend: its data buffers are lent to it.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn start_transfer(
+        &mut self,
+        seq: u32,
+        k: usize,
+        t: Transfer,
+        readable: GuestBufs<'_>,
+        writable: GuestBufs<'_>,
+        data_out: usize,
+        data_in: usize,
+    ) {
+        let slot = &mut self.slots[seq as usize];
+        let (write, lba, blocks, fua) = match t {
+            Transfer::Read { lba, blocks } => (false, lba, blocks, false),
+            Transfer::Write { lba, blocks, fua } => (true, lba, blocks, fua),
+            Transfer::Nothing => {
+                // GOOD with no data: every data-in byte is residual.
+                slot.residual = data_in.min(u32::MAX as usize) as u32;
+                return;
+            }
+            Transfer::Check(s) => {
+                slot.status = status::CHECK_CONDITION;
+                slot.sense = Some(s);
+                return;
+            }
+        };
+        let u = &mut self.units[k];
+        if u.backend.room() == 0 {
+            // The unit's backend is full now: the initiator retries.
+            slot.status = TASK_SET_FULL;
+            return;
+        }
+        if write {
+            self.stats.writes += 1;
+        } else {
+            self.stats.reads += 1;
+        }
+        let Some((off, len)) = offset_of(lba, blocks as u64, u.lun.disk.block_size) else { return };
+        // Data-out follows the request header; data-in the response.
+        let (bufs, skip, avail) = if write { (readable, REQ_LEN, data_out) } else { (writable, RESP_LEN, data_in) };
+        if (avail as u64) < len {
+            self.stats.overruns += 1;
+            slot.response = response::OVERRUN;
+            return;
+        }
+        if !bufs.lend(skip, len as usize, SEG_MAX as usize + 2, usize::MAX, &mut slot.io) {
+            slot.status = status::CHECK_CONDITION;
+            slot.sense = Some(Sense::INVALID_FIELD_IN_CDB);
+            return;
+        }
+        slot.bytes = len;
+        slot.residual = (avail as u64 - len).min(u32::MAX as u64) as u32;
+        let op = if write {
+            slot.kind = Kind::Write;
+            slot.then_flush = fua || !u.lun.disk.write_cache;
+            Op::Write
+        } else {
+            slot.kind = Kind::Read;
+            slot.used_len += len as u32;
+            Op::Read
+        };
+        let req = Request { tag: seq as u64, op, offset: off, len, bufs: &slot.io };
+        if u.backend.queue(&req).is_ok() {
+            slot.pending = 1;
+            slot.stage = Stage::Running;
+            u.in_flight += 1;
+            self.done.pop();
+        } else {
+            self.stats.backend_errors += 1;
+            slot.failed = true;
         }
     }
 
@@ -744,13 +814,15 @@ fn write_response(slot: &mut Slot) -> u32 {
         slot.status = status::GOOD;
         slot.used_len = RESP_LEN as u32;
     }
-    let [r0, r1, r2, r3] = slot.residual.to_le_bytes();
-    let head = [sense_len as u8, 0, 0, 0, r0, r1, r2, r3, 0, 0, slot.status, slot.response];
+    // sense_len and residual; status_qualifier (0), status and response.
+    let first = sense_len as u64 | (slot.residual as u64) << 32;
+    let second = (slot.status as u32) << 16 | (slot.response as u32) << 24;
     if sense_len == 0 {
-        slot.io.write_reply_head(head);
+        slot.io.write_reply_head(first, second);
     } else {
         let mut b = [0u8; 12 + 18];
-        b[..12].copy_from_slice(&head);
+        b[..8].copy_from_slice(&first.to_le_bytes());
+        b[8..12].copy_from_slice(&second.to_le_bytes());
         b[12..12 + sense_len].copy_from_slice(&sense[..sense_len]);
         slot.io.write_reply(&b[..12 + sense_len]);
     }

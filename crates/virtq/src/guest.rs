@@ -1067,19 +1067,22 @@ impl IoBufs {
     }
 
     /// Stores a 12-byte reply start (virtio-scsi's response without sense)
-    /// like [`IoBufs::write_reply`]. The bytes come by value so a caller
-    /// that builds them from fields stores them from registers: copied from
-    /// a buffer just written field by field, the wide load waits for those
-    /// small stores to leave the store buffer, and with them every older
-    /// store into the other CPU's cache lines (it cost a tenth of a
+    /// like [`IoBufs::write_reply`]: `first` then `second`, little-endian.
+    /// Words, not bytes, so the caller builds them in registers: bytes
+    /// stored one by one into a buffer and copied out with wide loads make
+    /// those loads wait for the store buffer to drain, and with it every
+    /// older store into the other CPU's cache lines (a tenth of a
     /// null-backend virtio-scsi command).
     #[inline]
-    pub fn write_reply_head(&self, head: [u8; 12]) -> usize {
+    pub fn write_reply_head(&self, first: u64, second: u32) -> usize {
         match self.reply.first() {
             Some(s) if s.len >= 12 => {
                 // SAFETY: the first reply segment lies inside a buffer of the
                 // held memory table (lend_front) and holds 12 bytes.
-                unsafe { std::ptr::write_unaligned(s.addr as *mut [u8; 12], head) };
+                unsafe {
+                    std::ptr::write_unaligned(s.addr as *mut u64, first.to_le());
+                    std::ptr::write_unaligned(s.addr.add(8) as *mut u32, second.to_le());
+                }
                 if self.logged {
                     if let Some(mem) = &self.mem {
                         mem.dirty(s.addr, 12);
@@ -1087,7 +1090,12 @@ impl IoBufs {
                 }
                 12
             }
-            _ => self.write_reply(&head),
+            _ => {
+                let mut b = [0u8; 12];
+                b[..8].copy_from_slice(&first.to_le_bytes());
+                b[8..].copy_from_slice(&second.to_le_bytes());
+                self.write_reply(&b)
+            }
         }
     }
 
@@ -1828,6 +1836,8 @@ mod tests {
     fn a_reply_head_is_stored_in_one_piece_or_across_pieces() {
         let mem = table();
         let head: [u8; 12] = std::array::from_fn(|i| i as u8 + 1);
+        let first = u64::from_le_bytes(head[..8].try_into().unwrap());
+        let second = u32::from_le_bytes(head[8..].try_into().unwrap());
         for pieces in [&[108u32][..], &[5, 7, 96], &[12], &[3, 4]] {
             let segs = segs_at(&mem, pieces);
             let v = GuestBufs::new(&segs, &mem);
@@ -1836,13 +1846,13 @@ mod tests {
             let mut io = IoBufs::new();
             assert!(v.lend_front(lent, &mut io));
             let want = lent.min(12);
-            assert_eq!(io.write_reply_head(head), want, "pieces {pieces:?}");
+            assert_eq!(io.write_reply_head(first, second), want, "pieces {pieces:?}");
             let mut got = vec![0u8; total as usize];
             assert_eq!(v.read(0, &mut got), total as usize);
             assert_eq!(&got[..want], &head[..want], "pieces {pieces:?}");
             assert!(got[want..].iter().all(|&b| b == 0xEE), "nothing past the head: pieces {pieces:?}");
         }
-        assert_eq!(IoBufs::new().write_reply_head(head), 0, "no reply lent");
+        assert_eq!(IoBufs::new().write_reply_head(first, second), 0, "no reply lent");
     }
 
     #[test]
