@@ -800,19 +800,67 @@ impl ScsiQueue {
         user: u64,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<bool, Error> {
-        let data_len = cmd.data.len();
+        let hdr = CmdReq { lun, id, task_attr: 0, prio: 0, crn: 0, cdb: cmd.cdb }.bytes();
+        self.submit_slot(lun, id, cmd.cdb[0], cmd.data, user, fill, |p| {
+            // SAFETY: the slot's control block holds REQ_LEN bytes at `p`.
+            unsafe { std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, REQ_LEN) }
+        })
+    }
+
+    /// READ(10) or WRITE(10) of `blocks` blocks at `lba` for the LUN
+    /// `set_lun` chose, with the next tag: `submit` for the workloads. The
+    /// header is stored from registers: built in a buffer and copied, its
+    /// wide loads waited for the byte stores before them, and with those
+    /// for the store into the line the device last wrote (a miss), so each
+    /// command waited out the previous one's.
+    #[inline]
+    pub fn submit_rw10(
+        &mut self,
+        write: bool,
+        lba: u32,
+        blocks: u16,
+        user: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<bool, Error> {
+        let (lun, id, bs) = (self.lun, self.next_id, self.block_size);
+        let len = blocks as u32 * bs;
+        let (opcode, data) = if write { (op::WRITE_10, Data::Out(len)) } else { (op::READ_10, Data::In(len)) };
+        let posted = self.submit_slot(lun, id, opcode, data, user, fill, |p| {
+            // SAFETY: the slot's control block holds REQ_LEN bytes at `p`.
+            unsafe { store_rw10_header(p, lun, id, opcode, lba, blocks) }
+        })?;
+        if posted {
+            self.next_id += 1;
+        }
+        Ok(posted)
+    }
+
+    /// Takes a free slot, has `header` store the request header at its
+    /// control block, marks the response unwritten and posts the chain.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn submit_slot(
+        &mut self,
+        lun: [u8; 8],
+        id: u64,
+        opcode: u8,
+        data: Data,
+        user: u64,
+        fill: impl FnOnce(&mut [u8]),
+        header: impl FnOnce(*mut u8),
+    ) -> Result<bool, Error> {
+        let data_len = data.len();
         if data_len > self.max_data {
             return Err(Error::Config(format!("{data_len} data bytes exceed the queue's {}", self.max_data)));
         }
         let Some(&slot) = self.free.last() else {
             return Ok(false);
         };
-        let hdr = CmdReq { lun, id, task_attr: 0, prio: 0, crn: 0, cdb: cmd.cdb }.bytes();
         let p = self.ctrl_ptr(slot, 0);
+        header(p);
         // SAFETY: the slot's control block is ours (not in flight): request
         // header at 0..51, response header at 52..160, inside its 256 bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, REQ_LEN);
             // The response's sense_len, residual, status qualifier, status
             // and response: not written until the device writes them.
             std::ptr::write_bytes(p.add(CTRL_RESP as usize), RESPONSE_NOT_WRITTEN, 12);
@@ -820,7 +868,7 @@ impl ScsiQueue {
         // SAFETY: data_len <= max_data <= stride: the slot's own data area,
         // not in flight. The device may only touch it once posted below.
         fill(unsafe { std::slice::from_raw_parts_mut(self.data_ptr(slot), data_len as usize) });
-        let shape = Shape::Typed(cmd.data);
+        let shape = Shape::Typed(data);
         let head = match self.slots[slot as usize].kept {
             Some((h, s)) if s == shape => h,
             kept => {
@@ -828,7 +876,7 @@ impl ScsiQueue {
                     self.slots[slot as usize].kept = None;
                     self.queue.ring.free_kept(h)?;
                 }
-                let h = self.build_typed(slot, cmd.data)?;
+                let h = self.build_typed(slot, data)?;
                 self.slots[slot as usize].kept = Some((h, shape));
                 h
             }
@@ -839,9 +887,9 @@ impl ScsiQueue {
         s.user = user;
         s.id = id;
         s.lun = lun;
-        s.opcode = cmd.cdb[0];
-        s.data = cmd.data;
-        s.writable_len = RESP_LEN as u32 + cmd.data.data_in();
+        s.opcode = opcode;
+        s.data = data;
+        s.writable_len = RESP_LEN as u32 + data.data_in();
         s.raw_writable_at = None;
         self.unflushed.push(slot);
         self.seq += 1;
@@ -1123,6 +1171,31 @@ unsafe fn lay_out_raw(segs: &[RawSeg], host: *mut u8, gpa: u64, r: &mut Vec<Buf>
 
 /// What a data-in buffer of `request` holds before the device writes it.
 pub const POISON: u8 = 0xa5;
+
+/// Stores the request header (`CmdReq`) of a 10-byte READ or WRITE at
+/// `p` with word stores: lun 0..8, id 8..16, task attribute, priority and
+/// crn 16..19 (0), then the CDB at 19: opcode, flags 0, the LBA
+/// (big-endian) at 21..25, group 0, the length at 26..28, control 0, and
+/// zeros to 51.
+///
+/// # Safety
+/// `p` is valid for writes of REQ_LEN (51) bytes.
+#[inline(always)]
+unsafe fn store_rw10_header(p: *mut u8, lun: [u8; 8], id: u64, opcode: u8, lba: u32, blocks: u16) {
+    // The CDB's first 8 bytes and the length field, as little-endian words.
+    let w0 = opcode as u64 | (lba.swap_bytes() as u64) << 16;
+    let w1 = (blocks.swap_bytes() as u64) << 8;
+    // SAFETY: every store ends by byte 51 (caller: 51 writable bytes).
+    unsafe {
+        (p as *mut [u8; 8]).write_unaligned(lun);
+        (p.add(8) as *mut u64).write_unaligned(id.to_le());
+        (p.add(16) as *mut u64).write_unaligned((w0 << 24).to_le());
+        (p.add(24) as *mut u64).write_unaligned((w0 >> 40 | w1 << 8).to_le());
+        (p.add(32) as *mut u64).write_unaligned(0);
+        (p.add(40) as *mut u64).write_unaligned(0);
+        (p.add(43) as *mut u64).write_unaligned(0);
+    }
+}
 
 /// A response header from its RESP_LEN bytes: the 12 fixed bytes, and the
 /// sense only as far as sense_len says.
@@ -1445,6 +1518,24 @@ impl ScsiEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn word_stored_rw10_headers_match_the_byte_built_ones() {
+        let lun = [1, 0, 0x40, 0x05, 0, 0, 0, 0];
+        for (write, lba, blocks) in
+            [(false, 0x1122_3344, 0x5566), (true, 0, 1), (true, u32::MAX, u16::MAX), (false, 7, 8)]
+        {
+            let cmd = if write { Cmd::write_10(lba, blocks, 512) } else { Cmd::read_10(lba, blocks, 512) };
+            let id = 0x0102_0304_0506_0708 ^ lba as u64;
+            let want = CmdReq { lun, id, task_attr: 0, prio: 0, crn: 0, cdb: cmd.cdb }.bytes();
+            // Room past the header shows the stores end at its last byte.
+            let mut got = [0xeeu8; REQ_LEN + 8];
+            // SAFETY: `got` holds more than REQ_LEN bytes.
+            unsafe { store_rw10_header(got.as_mut_ptr(), lun, id, cmd.cdb[0], lba, blocks) };
+            assert_eq!(&got[..REQ_LEN], &want[..], "write {write} lba {lba:#x} blocks {blocks}");
+            assert!(got[REQ_LEN..].iter().all(|&b| b == 0xee), "nothing past the header");
+        }
+    }
 
     #[test]
     fn cdbs_are_laid_out_as_spc_and_sbc_say() {

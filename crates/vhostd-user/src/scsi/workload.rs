@@ -110,8 +110,7 @@ impl IoQueue for ScsiQueue {
         // As Linux's sd does: the 10-byte commands while they can say it
         // (some targets, vhost-device-scsi among them, take no READ(16)).
         let cmd = match (u32::try_from(lba), u16::try_from(blocks)) {
-            (Ok(l), Ok(b)) if write => Cmd::write_10(l, b, bs),
-            (Ok(l), Ok(b)) => Cmd::read_10(l, b, bs),
+            (Ok(l), Ok(b)) => return self.submit_rw10(write, l, b, user, fill),
             _ if write => Cmd::write_16(lba, blocks, bs),
             _ => Cmd::read_16(lba, blocks, bs),
         };
