@@ -46,6 +46,45 @@ struct ScsiArgs {
     /// The unit (LUN) of target 0 to drive.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=16383))]
     lun: u16,
+    /// Entries per request queue's ring (a power of two). Default: the
+    /// smallest holding --iodepth commands.
+    #[arg(long, value_parser = parse_queue_size)]
+    queue_size: Option<u16>,
+    /// Put each command's 3 descriptors in an indirect table behind one
+    /// ring entry (VIRTIO_RING_F_INDIRECT_DESC, negotiated only then; an
+    /// error if the device does not offer it), as Linux's virtio_scsi does
+    /// when its ring is short. auto: on only when --queue-size cannot hold
+    /// --iodepth commands of 3 descriptors (e.g. --iodepth 128
+    /// --queue-size 128 for a device whose rings hold at most 128 entries).
+    #[arg(long, value_enum, default_value_t = Indirect::Auto)]
+    indirect: Indirect,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Indirect {
+    On,
+    Off,
+    Auto,
+}
+
+impl ScsiArgs {
+    /// Whether the request queues use indirect descriptors, or why the
+    /// options cannot work.
+    fn indirect(&self) -> Result<bool, String> {
+        let depth = self.io.iodepth as u32;
+        let direct_fits = self.queue_size.is_none_or(|n| n as u32 >= depth * scsi::DESCS_PER_CMD as u32);
+        match self.indirect {
+            Indirect::On => Ok(true),
+            Indirect::Auto => Ok(!direct_fits),
+            Indirect::Off if direct_fits => Ok(false),
+            Indirect::Off => Err(format!(
+                "--queue-size {} cannot hold --iodepth {depth} commands of {} descriptors: \
+                 --indirect on (or auto), a larger ring, or a smaller depth",
+                self.queue_size.unwrap_or(0),
+                scsi::DESCS_PER_CMD
+            )),
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -680,20 +719,37 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
 
 fn run_scsi(s: &ScsiArgs) -> Result<workload::Report, String> {
     let a = &s.io;
-    let opts = io_options(a, Options::scsi(&a.socket_path), scsi::memory_needed(a.queues, a.iodepth, a.bs));
+    let indirect = s.indirect()?;
+    let mut opts = io_options(a, Options::scsi(&a.socket_path), scsi::memory_needed(a.queues, a.iodepth, a.bs));
+    if indirect {
+        opts.features |= features::INDIRECT_DESC;
+    }
     let mut dev = connect_retry(opts, a.connect_timeout)?;
     print_connected(a, &dev);
+    if indirect && dev.features() & features::INDIRECT_DESC == 0 {
+        return Err(format!(
+            "indirect descriptors: the device does not offer VIRTIO_RING_F_INDIRECT_DESC (offered {:#x}){}",
+            dev.offered_features(),
+            if s.indirect == Indirect::Auto { "; a larger --queue-size, or a smaller --iodepth" } else { "" }
+        ));
+    }
     let cfg = dev.scsi_config().map_err(|e| e.to_string())?;
     eprintln!(
         "vhostd-user: config num_queues {} seg_max {} max_sectors {} cmd_per_lun {} max_lun {}",
         cfg.num_queues, cfg.seg_max, cfg.max_sectors, cfg.cmd_per_lun, cfg.max_lun
     );
+    eprintln!("vhostd-user: request queues: {} descriptors", if indirect { "indirect" } else { "direct" });
     if a.queues as u32 > cfg.num_queues {
         return Err(format!("--queues {}: the device has {}", a.queues, cfg.num_queues));
     }
     let mut queues = Vec::with_capacity(a.queues as usize);
     for i in 0..a.queues {
-        let mut q = dev.scsi_queue(i, a.iodepth, a.bs).map_err(|e| format!("queue {i}: {e}"))?;
+        let q = if indirect {
+            dev.scsi_queue_indirect(i, a.iodepth, a.bs, s.queue_size)
+        } else {
+            dev.scsi_queue_sized(i, a.iodepth, a.bs, s.queue_size)
+        };
+        let mut q = q.map_err(|e| format!("queue {i}: {e}"))?;
         q.set_lun(s.lun);
         queues.push(q);
     }

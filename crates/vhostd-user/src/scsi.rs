@@ -18,12 +18,18 @@
 //! `repost`), so the steady state writes no descriptors and allocates
 //! nothing. Commands complete in any order: each used entry carries its
 //! slot back as the chain's token.
+//!
+//! A queue made with `scsi_queue_indirect` puts each typed command's
+//! descriptors in an indirect table (VIRTIO_RING_F_INDIRECT_DESC) behind
+//! one ring entry, as Linux's virtio_scsi does when its ring is short: the
+//! ring needs `depth` entries instead of `3 * depth`. The slot keeps that
+//! one-entry chain and its table as it keeps a direct chain.
 
 pub mod workload;
 
 use crate::blk::RawSeg;
 use crate::queue::VirtQueue;
-use crate::{DeviceType, Error, VirtioUser};
+use crate::{features, DeviceType, Error, VirtioUser};
 use std::time::{Duration, Instant};
 use virtq_driver::{Buf, Used};
 
@@ -41,6 +47,10 @@ pub const RESPONSE_NOT_WRITTEN: u8 = 0xff;
 pub const EVENT_LEN: usize = 16;
 /// SCSI status TASK SET FULL (the initiator retries).
 pub const TASK_SET_FULL: u8 = 0x28;
+/// Descriptors a typed command takes at most: the request header, the
+/// response header and one data buffer (a direct chain's ring entries, an
+/// indirect one's table entries).
+pub const DESCS_PER_CMD: u16 = 3;
 
 /// A response byte as a word (for messages).
 pub fn response_name(r: u8) -> String {
@@ -484,6 +494,8 @@ pub struct ScsiQueue {
     free: Vec<u16>,
     readable: Vec<Buf>,
     writable: Vec<Buf>,
+    /// Typed chains go in indirect tables (`scsi_queue_indirect`).
+    indirect: bool,
     used: Vec<Used>,
     /// Slots submitted since the last `flush` (stamped there, one clock read).
     unflushed: Vec<u16>,
@@ -509,8 +521,12 @@ unsafe impl Send for ScsiQueue {}
 /// queues included), for `Options::mem_size`.
 pub fn memory_needed(queues: u16, depth: u16, max_data: u32) -> u64 {
     let stride = (max_data.max(1) as u64).div_ceil(4096) * 4096;
-    // A ring of 32768 entries takes under 1 MiB in either layout.
-    queues as u64 * (depth as u64 * (stride + CTRL_STRIDE) + (1 << 20) + 8192) + (4 << 20)
+    // A ring of 32768 entries takes under 1 MiB in either layout; an
+    // indirect queue's tables 48 bytes per ring entry, for the default
+    // ring of at most 2 * depth entries (a larger one's fit the 4 MiB
+    // spare up to 65536 entries in all).
+    let tables = 2 * depth as u64 * DESCS_PER_CMD as u64 * 16;
+    queues as u64 * (depth as u64 * (stride + CTRL_STRIDE) + tables + (1 << 20) + 8192) + (4 << 20)
 }
 
 /// What `ScsiQueue::probe_disk` found out about a unit.
@@ -548,16 +564,58 @@ impl VirtioUser {
         max_data: u32,
         size: Option<u16>,
     ) -> Result<ScsiQueue, Error> {
+        self.scsi_request_queue(n, depth, max_data, size, false)
+    }
+
+    /// `scsi_queue_sized` with each typed command in an indirect table
+    /// behind one ring entry (VIRTIO_RING_F_INDIRECT_DESC, which must have
+    /// been negotiated: put `features::INDIRECT_DESC` in
+    /// `Options::features`), so the ring holds `depth` commands in `depth`
+    /// entries; `size` None: the smallest power of two holding them. Raw
+    /// chains (`submit_raw`) stay direct: they need free ring entries.
+    pub fn scsi_queue_indirect(
+        &mut self,
+        n: u16,
+        depth: u16,
+        max_data: u32,
+        size: Option<u16>,
+    ) -> Result<ScsiQueue, Error> {
+        if self.features & features::INDIRECT_DESC == 0 {
+            return Err(Error::Unsupported(if self.offered & features::INDIRECT_DESC == 0 {
+                format!(
+                    "indirect descriptors: the device does not offer VIRTIO_RING_F_INDIRECT_DESC (offered {:#x})",
+                    self.offered
+                )
+            } else {
+                "indirect descriptors: VIRTIO_RING_F_INDIRECT_DESC was not negotiated (not in Options::features)".into()
+            }));
+        }
+        self.scsi_request_queue(n, depth, max_data, size, true)
+    }
+
+    fn scsi_request_queue(
+        &mut self,
+        n: u16,
+        depth: u16,
+        max_data: u32,
+        size: Option<u16>,
+        indirect: bool,
+    ) -> Result<ScsiQueue, Error> {
         let index = self.scsi_check(2 + n as usize, "request queue")?;
         if depth == 0 {
             return Err(Error::Config("queue depth must not be zero".into()));
         }
         let max_data = max_data.max(512);
-        let need = depth as u64 * 3;
+        let per_cmd = if indirect { 1 } else { DESCS_PER_CMD };
+        let need = depth as u64 * per_cmd as u64;
         let size = match size {
+            Some(s) if (s as u64) < need && indirect => {
+                return Err(Error::Config(format!("a ring of {s} entries cannot hold {depth} indirect commands")))
+            }
             Some(s) if (s as u64) < need => {
                 return Err(Error::Config(format!(
-                    "a ring of {s} entries cannot hold {depth} commands of 3 descriptors"
+                    "a ring of {s} entries cannot hold {depth} commands of {DESCS_PER_CMD} descriptors \
+                     (indirect descriptors would need {depth})"
                 )))
             }
             Some(s) => s,
@@ -570,7 +628,7 @@ impl VirtioUser {
         }
         let ctrl_gpa = self.mem.alloc(depth as u64 * CTRL_STRIDE, 64)?;
         let data_gpa = self.mem.alloc(depth as u64 * stride, 4096)?;
-        let queue = self.create_queue(index, size, None)?;
+        let queue = self.create_queue(index, size, indirect.then_some(DESCS_PER_CMD))?;
         let mem = queue.ring.memory();
         let outside = || Error::Config("scsi buffers outside guest memory".into());
         let ctrl = mem.host(ctrl_gpa, depth as u64 * CTRL_STRIDE).ok_or_else(outside)?;
@@ -604,6 +662,7 @@ impl VirtioUser {
             free: (0..depth).rev().collect(),
             readable: Vec::with_capacity(size as usize),
             writable: Vec::with_capacity(size as usize),
+            indirect,
             used: vec![Used::default(); size as usize],
             unflushed: Vec::with_capacity(depth as usize),
             seq: 0,
@@ -683,6 +742,11 @@ impl ScsiQueue {
     /// Most commands in flight.
     pub fn depth(&self) -> u16 {
         self.depth
+    }
+
+    /// Typed commands go in indirect tables (`scsi_queue_indirect`).
+    pub fn indirect(&self) -> bool {
+        self.indirect
     }
 
     /// Largest data buffer of a typed command (and of a raw chain's bytes).
@@ -869,19 +933,10 @@ impl ScsiQueue {
         // not in flight. The device may only touch it once posted below.
         fill(unsafe { std::slice::from_raw_parts_mut(self.data_ptr(slot), data_len as usize) });
         let shape = Shape::Typed(data);
-        let head = match self.slots[slot as usize].kept {
-            Some((h, s)) if s == shape => h,
-            kept => {
-                if let Some((h, _)) = kept {
-                    self.slots[slot as usize].kept = None;
-                    self.queue.ring.free_kept(h)?;
-                }
-                let h = self.build_typed(slot, data)?;
-                self.slots[slot as usize].kept = Some((h, shape));
-                h
-            }
-        };
-        self.queue.ring.repost(head)?;
+        match self.slots[slot as usize].kept {
+            Some((h, s)) if s == shape => self.queue.ring.repost(h)?,
+            _ => self.post_new_typed(slot, data)?,
+        }
         self.free.pop();
         let s = &mut self.slots[slot as usize];
         s.user = user;
@@ -897,8 +952,31 @@ impl ScsiQueue {
         Ok(true)
     }
 
-    /// Writes the descriptors of a typed chain for `slot` (kept, not posted).
-    fn build_typed(&mut self, slot: u16, data: Data) -> Result<u16, Error> {
+    /// Frees `slot`'s kept chain (of another shape), writes the
+    /// descriptors of a typed chain for `data` (direct, or in the slot's
+    /// chain's indirect table), keeps it and posts it.
+    #[cold]
+    fn post_new_typed(&mut self, slot: u16, data: Data) -> Result<(), Error> {
+        if let Some((h, _)) = self.slots[slot as usize].kept.take() {
+            self.queue.ring.free_kept(h)?;
+        }
+        let shape = Shape::Typed(data);
+        if self.indirect {
+            // Posted at once; once used, kept (`pop_used_batch` with keep)
+            // and reposted as it is, its table unchanged.
+            let h = self.build_typed(slot, data, true)?;
+            self.slots[slot as usize].kept = Some((h, shape));
+        } else {
+            let h = self.build_typed(slot, data, false)?;
+            self.slots[slot as usize].kept = Some((h, shape));
+            self.queue.ring.repost(h)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the descriptors of a typed chain for `slot`: direct, kept
+    /// and not posted; or (`indirect`) in an indirect table, posted.
+    fn build_typed(&mut self, slot: u16, data: Data, indirect: bool) -> Result<u16, Error> {
         let ctrl = self.ctrl_gpa + slot as u64 * CTRL_STRIDE;
         let dgpa = self.data_gpa + slot as u64 * self.stride as u64;
         let (mut r, mut w) = (std::mem::take(&mut self.readable), std::mem::take(&mut self.writable));
@@ -911,7 +989,11 @@ impl ScsiQueue {
             Data::Out(n) => r.push(Buf { addr: dgpa, len: n }),
             Data::In(n) => w.push(Buf { addr: dgpa, len: n }),
         }
-        let res = self.queue.ring.prepare(&r, &w, slot as u64);
+        let res = if indirect {
+            self.queue.ring.add_indirect(&r, &w, slot as u64)
+        } else {
+            self.queue.ring.prepare(&r, &w, slot as u64)
+        };
         self.readable = r;
         self.writable = w;
         Ok(res?)

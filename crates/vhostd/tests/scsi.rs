@@ -2136,6 +2136,185 @@ fn verify_packed_ring_two_queues() {
     verify_case(2, true);
 }
 
+// ---------------------------------------------------------------------------
+// 11. Indirect descriptors: more commands in flight than a ring holds
+//     direct 3-descriptor chains.
+// ---------------------------------------------------------------------------
+
+/// The ring the indirect tests use (vhostd takes no larger one), and the
+/// commands in flight on it: all 32, where direct chains fit 10.
+const IND_RING: u16 = 32;
+
+/// Submits `cmds` (tag = index) on `q` all at once, checks the ring held
+/// every one of them, takes every completion (each good, with the used
+/// length of its data-in) and returns the data buffers by tag. Counted.
+fn all_in_flight(q: &mut Q, cmds: &[(Cmd, Vec<u8>)]) -> BTreeMap<u64, Vec<u8>> {
+    q.q.set_lun(0);
+    for (i, (cmd, out)) in cmds.iter().enumerate() {
+        let posted =
+            q.q.submit(cmd, i as u64, |b| match cmd.data {
+                Data::Out(_) => b.copy_from_slice(out),
+                _ => b.fill(POISON),
+            })
+            .unwrap();
+        assert!(posted, "command {i} of {}: no free slot", cmds.len());
+        q.t.count(&["commands"]);
+        match cmd.data {
+            Data::In(n) => {
+                q.t.count(&["reads"]);
+                q.t.add("bytes_read", n as u64);
+            }
+            Data::Out(n) => {
+                q.t.count(&["writes"]);
+                q.t.add("bytes_written", n as u64);
+            }
+            Data::None => q.t.count(&["flushes"]),
+        }
+    }
+    assert_eq!(q.q.in_flight() as usize, cmds.len());
+    q.q.flush().unwrap();
+    let got = collect(&mut [&mut q.q], cmds.len());
+    got.into_iter()
+        .map(|(user, (c, data))| {
+            assert!(c.ok(), "tag {user}: {:?}", c.problem());
+            assert_eq!(c.used_len, RESP + c.data.data_in(), "tag {user}");
+            (user, data)
+        })
+        .collect()
+}
+
+/// Writes and reads, IND_RING commands in flight in a ring of IND_RING
+/// entries, the data checked byte for byte in the image and read back; the
+/// workload engine's verify at that depth; vhostd counts every command
+/// exactly and no bad chain.
+fn indirect_case(packed: bool) {
+    let dir = Dir::new();
+    let size = 4u64 << 20;
+    let img = dir.image("lun0.img", size);
+    let d = start(&[file_lun(0, &img, "")], &["--queue-size", &IND_RING.to_string()]);
+    let mut o = options(&d.sock, packed);
+    o.features |= f::INDIRECT_DESC;
+    let mut dev = VirtioUser::connect(o).unwrap_or_else(|e| panic!("connect: {e}; vhostd log:\n{}", d.log()));
+    assert_eq!(dev.packed(), packed);
+    assert_ne!(dev.features() & f::INDIRECT_DESC, 0, "INDIRECT_DESC negotiated");
+    let depth = IND_RING;
+    let e = dev.scsi_queue_sized(0, depth, 4096, Some(IND_RING)).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("cannot hold 32 commands of 3 descriptors"), "{e}");
+    let q = dev.scsi_queue_indirect(0, depth, 64 << 10, Some(IND_RING)).unwrap();
+    assert!(q.indirect());
+    assert_eq!(q.queue.ring.size(), IND_RING);
+    let mut q = Q::new(q, Some(&img));
+
+    // Writes of 4, 8 and 12 KiB, 10 and 16-byte CDBs, 32 KiB apart.
+    let lba = |i: usize| i as u64 * 64;
+    let len = |i: usize| 4096 * (1 + i % 3);
+    let writes = |seed: u64, len: &dyn Fn(usize) -> usize| -> Vec<(Cmd, Vec<u8>)> {
+        (0..depth as usize)
+            .map(|i| {
+                let mut b = vec![0u8; len(i)];
+                fill_pattern(&mut b, lba(i) * 512, seed);
+                let blocks = (b.len() / 512) as u32;
+                let cmd = if i % 2 == 0 {
+                    Cmd::write_10(lba(i) as u32, blocks as u16, 512)
+                } else {
+                    Cmd::write_16(lba(i), blocks, 512)
+                };
+                (cmd, b)
+            })
+            .collect()
+    };
+    let reads = |len: &dyn Fn(usize) -> usize| -> Vec<(Cmd, Vec<u8>)> {
+        (0..depth as usize)
+            .map(|i| {
+                let blocks = (len(i) / 512) as u32;
+                let cmd = if i % 2 == 1 {
+                    Cmd::read_10(lba(i) as u32, blocks as u16, 512)
+                } else {
+                    Cmd::read_16(lba(i), blocks, 512)
+                };
+                (cmd, Vec::new())
+            })
+            .collect()
+    };
+    // Each command's bytes in the image; the first time, nothing else
+    // of its 32 KiB moved.
+    let check_image = |w: &[(Cmd, Vec<u8>)], first: bool| {
+        for (i, (_, b)) in w.iter().enumerate() {
+            assert_eq!(read_file(&img, lba(i) * 512, b.len()), *b, "command {i}'s bytes in the image");
+            if first {
+                assert_bg(&img, lba(i) * 512 + b.len() as u64, 32768 - b.len());
+            }
+        }
+    };
+    let check_read = |got: &BTreeMap<u64, Vec<u8>>, w: &[(Cmd, Vec<u8>)], len: &dyn Fn(usize) -> usize| {
+        for (i, (_, b)) in w.iter().enumerate() {
+            assert_eq!(got[&(i as u64)][..], b[..len(i)], "command {i}: data read back");
+        }
+    };
+
+    let w1 = writes(41, &len);
+    all_in_flight(&mut q, &w1);
+    check_image(&w1, true);
+    // Read back with the same shapes, then twice as 4 KiB reads (the
+    // second time every slot's kept indirect chain is posted again as is).
+    let got = all_in_flight(&mut q, &reads(&len));
+    check_read(&got, &w1, &len);
+    for _ in 0..2 {
+        let got = all_in_flight(&mut q, &reads(&|_| 4096));
+        check_read(&got, &w1, &|_| 4096);
+    }
+    // Overwritten with 8 KiB each, flushed (a 2-descriptor chain), read.
+    let w2 = writes(42, &|_| 8192);
+    all_in_flight(&mut q, &w2);
+    check_image(&w2, false);
+    all_in_flight(&mut q, &[(Cmd::synchronize_cache_10(0, 0), Vec::new())]);
+    let got = all_in_flight(&mut q, &reads(&|_| 8192));
+    check_read(&got, &w2, &|_| 8192);
+    q.still_serves();
+
+    // The workload engine at that depth: write, flush, read back, compare.
+    q.q.set_lun(0);
+    q.q.set_disk(512, false);
+    let area = 1u64 << 20;
+    let w = Workload { iodepth: depth, seed: 43, size: Some(area), ..Workload::new(Mode::Verify, 4096) };
+    let r = scsi::workload::run(std::slice::from_mut(&mut q.q), size, &w, None).unwrap();
+    assert!(r.passed(), "{}: {:?} {:?}", r.summary(), r.first_error, r.mismatch);
+    let n = area / 4096;
+    assert_eq!((r.verified_blocks, r.ios, r.errors), (n, 2 * n + 1, 0), "{}", r.summary());
+    assert_eq!(check_pattern(&fs::read(&img).unwrap()[..area as usize], 0, 43), None);
+    q.t.add("commands", 2 * n + 1);
+    q.t.add("writes", n);
+    q.t.add("reads", n);
+    q.t.add("flushes", 1);
+    q.t.add("bytes_written", area);
+    q.t.add("bytes_read", area);
+    let s = finish(q, dev, d);
+    assert_eq!(s.queue(2, "bad_chains"), 0);
+}
+
+#[test]
+fn indirect_descriptors_split_ring() {
+    indirect_case(false);
+}
+
+#[test]
+fn indirect_descriptors_packed_ring() {
+    indirect_case(true);
+}
+
+/// An indirect queue needs INDIRECT_DESC negotiated: refused, not posted.
+#[test]
+fn indirect_descriptors_refused_without_the_feature() {
+    let d = start(&["0=null,size=64M".into()], &[]);
+    let mut dev = connect(&d, false);
+    assert_eq!(dev.features() & f::INDIRECT_DESC, 0, "asked for only when used");
+    let e = dev.scsi_queue_indirect(0, 64, 4096, Some(64)).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("VIRTIO_RING_F_INDIRECT_DESC was not negotiated"), "{e}");
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert_eq!(s.total("commands"), 0);
+}
+
 /// `vhostd-user scsi` as bench/ runs it: the summary line, exit 0; and
 /// exit 1 with a reason for a unit that is not there and for writes to a
 /// read-only one.
@@ -2185,6 +2364,22 @@ fn the_vhostd_user_cli_drives_a_unit() {
     let (code, out, err) = run(&["--lun", "1", "--mode", "randread", "--duration", "0.3", "--iodepth", "32"]);
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(out.starts_with("scsi mode=randread bs=4096 iodepth=32 queues=1 ios="), "{out}");
+    // 64 commands in a ring of 64: indirect descriptors, chosen (auto) or
+    // asked for; refused with a reason when turned off.
+    for ind in ["auto", "on"] {
+        let args = ["--lun", "0", "--mode", "verify", "--iodepth", "64", "--queue-size", "64", "--indirect", ind];
+        let (code, out, err) = run(&args);
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(err.contains("request queues: indirect descriptors"), "{err}");
+        assert!(out.contains(" verify=ok blocks=1024 flush=ok"), "{out}");
+    }
+    let (code, _, err) = run(&["--lun", "1", "--mode", "randread", "--count", "100", "--iodepth", "8"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("request queues: direct descriptors"), "{err}");
+    let (code, _, err) =
+        run(&["--lun", "0", "--mode", "read", "--iodepth", "64", "--queue-size", "64", "--indirect", "off"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--queue-size 64 cannot hold --iodepth 64 commands of 3 descriptors"), "{err}");
     let (code, _, err) = run(&["--lun", "7", "--mode", "read", "--count", "10"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("LUN 7") && err.contains("0x25"), "{err}");
