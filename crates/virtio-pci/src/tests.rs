@@ -1,0 +1,251 @@
+use std::sync::Mutex;
+
+use vhostd_device::{RingPlace, RingTotals};
+
+use super::*;
+
+/// A blk-like device with two queues and an 8-byte config space.
+struct Fake {
+    config: Mutex<[u8; 8]>,
+}
+
+const FEATURES: u64 = ring_features::VERSION_1 | ring_features::EVENT_IDX | 1 << 9;
+
+impl Device for Fake {
+    fn kind(&self) -> &'static str {
+        "blk"
+    }
+    fn features(&self) -> u64 {
+        FEATURES
+    }
+    fn queues(&self) -> u16 {
+        2
+    }
+    fn max_queue_size(&self) -> u16 {
+        256
+    }
+    fn place(&self, index: u16, _features: u64) -> Option<RingPlace> {
+        (index < 2).then_some(RingPlace { group: index as usize, slot: 0 })
+    }
+    fn read_config(&self, offset: u32, len: u32) -> Option<Vec<u8>> {
+        let c = self.config.lock().unwrap();
+        let end = offset.checked_add(len)? as usize;
+        (end <= c.len()).then(|| c[offset as usize..end].to_vec())
+    }
+    fn write_config(&self, offset: u32, data: &[u8], _features: u64) -> bool {
+        if offset != 4 || data.len() != 1 {
+            return false;
+        }
+        self.config.lock().unwrap()[4] = data[0];
+        true
+    }
+    fn set_features(&self, _features: u64) {}
+    fn reset(&self) {}
+    fn ring_label(&self, place: RingPlace) -> (u16, Option<&'static str>) {
+        (place.group as u16, None)
+    }
+    fn totals(&self, _rings: &[RingTotals<'_>]) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+}
+
+fn model() -> VirtioPci {
+    VirtioPci::new(Arc::new(Fake { config: Mutex::new([1, 2, 3, 4, 5, 6, 7, 8]) }))
+}
+
+fn cfg32(p: &VirtioPci, off: u64) -> u32 {
+    let mut b = [0u8; 4];
+    p.config_read(off, &mut b);
+    u32::from_le_bytes(b)
+}
+
+fn rd(p: &VirtioPci, off: u64, len: usize) -> u64 {
+    let mut b = [0u8; 8];
+    p.bar_read(0, off, &mut b[..len]);
+    u64::from_le_bytes(b)
+}
+
+fn wr(p: &mut VirtioPci, off: u64, len: usize, v: u64) -> Vec<Effect> {
+    p.bar_write(0, off, &v.to_le_bytes()[..len])
+}
+
+/// Drives the driver's set-up up to FEATURES_OK with `features`.
+fn negotiate(p: &mut VirtioPci, features: u64) -> Vec<Effect> {
+    wr(p, 0x14, 1, 1);
+    wr(p, 0x14, 1, 3);
+    wr(p, 0x08, 4, 0);
+    wr(p, 0x0c, 4, features & 0xffff_ffff);
+    wr(p, 0x08, 4, 1);
+    wr(p, 0x0c, 4, features >> 32);
+    wr(p, 0x14, 1, 0xb)
+}
+
+#[test]
+fn config_space_identifies_a_modern_virtio_device_with_its_capabilities() {
+    let p = model();
+    assert_eq!(cfg32(&p, 0), 0x1042_1af4);
+    assert_eq!(cfg32(&p, 8) & 0xff, 1, "revision 1");
+    assert_eq!(cfg32(&p, 8) >> 8, 0x010000, "mass storage class");
+    assert_eq!(cfg32(&p, 4) >> 16 & 0x10, 0x10, "capability list");
+    // Walk the list: four virtio caps of types 1, 2, 3, 4, then MSI-X.
+    let mut at = cfg32(&p, 0x34) & 0xff;
+    let mut seen = Vec::new();
+    while at != 0 {
+        let head = cfg32(&p, at as u64);
+        let (id, next) = (head & 0xff, head >> 8 & 0xff);
+        if id == 0x09 {
+            let (ty, bar) = (head >> 24, cfg32(&p, at as u64 + 4) & 0xff);
+            let (off, len) = (cfg32(&p, at as u64 + 8), cfg32(&p, at as u64 + 12));
+            assert_eq!(bar, 0);
+            assert!(u64::from(off) + u64::from(len) <= BAR0_SIZE);
+            seen.push((ty, off, len));
+        } else {
+            assert_eq!(id, 0x11);
+            assert_eq!(head >> 16 & 0x7ff, 2, "3 vectors: 2 queues and config");
+            assert_eq!(cfg32(&p, at as u64 + 4), 1, "table in BAR1 at 0");
+            seen.push((0x11, 0, 0));
+        }
+        at = next;
+    }
+    assert_eq!(seen, vec![(1, 0, 0x40), (2, 0x3000, 0x1000), (3, 0x1000, 4), (4, 0x2000, 0x100), (0x11, 0, 0)]);
+    assert_eq!(cfg32(&p, CAP_NOTIFY as u64 + 16), 4, "notify_off_multiplier");
+}
+
+#[test]
+fn bars_size_like_hardware_and_read_only_registers_ignore_writes() {
+    let mut p = model();
+    p.config_write(0x10, &[0xff; 4]);
+    assert_eq!(cfg32(&p, 0x10), !(BAR0_SIZE as u32 - 1));
+    p.config_write(0x14, &[0xff; 4]);
+    assert_eq!(cfg32(&p, 0x14), !(BAR1_SIZE as u32 - 1));
+    p.config_write(0x10, &0xfebf_0000u32.to_le_bytes());
+    assert_eq!(cfg32(&p, 0x10), 0xfebf_0000);
+    // Ids, the cap list and unused BARs do not change.
+    p.config_write(0, &[0; 64]);
+    assert_eq!(cfg32(&p, 0), 0x1042_1af4);
+    assert_eq!(cfg32(&p, 0x18), 0);
+    assert_eq!(cfg32(&p, 0x34) & 0xff, 0x40);
+    // Past the end: ignored, reads 0.
+    p.config_write(250, &[0xff; 10]);
+    let mut b = [0xaau8; 10];
+    p.config_read(250, &mut b);
+    assert_eq!(b, [0; 10]);
+}
+
+#[test]
+fn feature_negotiation_checks_what_the_driver_acks() {
+    let mut p = model();
+    wr(&mut p, 0x00, 4, 0);
+    assert_eq!(rd(&p, 0x04, 4), FEATURES & 0xffff_ffff);
+    wr(&mut p, 0x00, 4, 1);
+    assert_eq!(rd(&p, 0x04, 4), FEATURES >> 32);
+    wr(&mut p, 0x00, 4, 7);
+    assert_eq!(rd(&p, 0x04, 4), 0);
+    // Without VERSION_1: FEATURES_OK does not stick.
+    assert_eq!(negotiate(&mut p, ring_features::EVENT_IDX), vec![]);
+    assert_eq!(rd(&p, 0x14, 1), 3);
+    // A bit not offered: refused too.
+    wr(&mut p, 0x14, 1, 0);
+    assert_eq!(negotiate(&mut p, ring_features::VERSION_1 | 1 << 5), vec![]);
+    assert_eq!(rd(&p, 0x14, 1), 3);
+    // DRIVER_OK without FEATURES_OK: refused.
+    assert_eq!(wr(&mut p, 0x14, 1, 7), vec![]);
+    assert_eq!(rd(&p, 0x14, 1), 3);
+    // A subset with VERSION_1: accepted, and fixed from then on.
+    assert_eq!(wr(&mut p, 0x14, 1, 0), vec![Effect::Reset]);
+    let f = ring_features::VERSION_1 | 1 << 9;
+    assert_eq!(negotiate(&mut p, f), vec![Effect::FeaturesOk(f)]);
+    assert_eq!(rd(&p, 0x14, 1), 0xb);
+    wr(&mut p, 0x08, 4, 0);
+    wr(&mut p, 0x0c, 4, 0xffff_ffff);
+    assert_eq!(p.driver_features(), f);
+    assert_eq!(wr(&mut p, 0x14, 1, 0xf), vec![Effect::DriverOk]);
+}
+
+#[test]
+fn queues_are_set_up_through_queue_select_and_enabled_once_valid() {
+    let mut p = model();
+    assert_eq!(rd(&p, 0x12, 2), 2, "num_queues");
+    wr(&mut p, 0x16, 2, 1);
+    assert_eq!(rd(&p, 0x18, 2), 256, "max size");
+    assert_eq!(rd(&p, 0x1e, 2), 1, "notify off");
+    // Enabling before FEATURES_OK does nothing.
+    assert_eq!(wr(&mut p, 0x1c, 2, 1), vec![]);
+    negotiate(&mut p, ring_features::VERSION_1);
+    // A size that is not a power of two (split ring), or above the max.
+    wr(&mut p, 0x18, 2, 100);
+    assert_eq!(wr(&mut p, 0x1c, 2, 1), vec![]);
+    wr(&mut p, 0x18, 2, 512);
+    assert_eq!(wr(&mut p, 0x1c, 2, 1), vec![]);
+    wr(&mut p, 0x18, 2, 64);
+    // 64-bit addresses written as two halves, and as one 8-byte write.
+    wr(&mut p, 0x20, 4, 0x1000);
+    wr(&mut p, 0x24, 4, 0x1);
+    wr(&mut p, 0x28, 8, 0x2_0000_2000);
+    wr(&mut p, 0x30, 8, 0x3000);
+    assert_eq!(wr(&mut p, 0x1a, 2, 1), vec![Effect::QueueVector(1)]);
+    assert_eq!(wr(&mut p, 0x1c, 2, 1), vec![Effect::QueueEnabled(1)]);
+    let q = *p.queue(1).unwrap();
+    assert_eq!(
+        q,
+        QueueRegs { size: 64, vector: 1, enabled: true, desc: 0x1_0000_1000, driver: 0x2_0000_2000, device: 0x3000 }
+    );
+    // Fixed once enabled.
+    wr(&mut p, 0x20, 8, 0);
+    wr(&mut p, 0x18, 2, 16);
+    assert_eq!(*p.queue(1).unwrap(), q);
+    // A vector past the table reads back as NO_VECTOR.
+    wr(&mut p, 0x1a, 2, 3);
+    assert_eq!(rd(&p, 0x1a, 2), u64::from(NO_VECTOR));
+    wr(&mut p, 0x10, 2, 2);
+    assert_eq!(rd(&p, 0x10, 2), 2);
+    wr(&mut p, 0x10, 2, 9);
+    assert_eq!(rd(&p, 0x10, 2), u64::from(NO_VECTOR));
+    // A queue that does not exist: size 0, writes ignored.
+    wr(&mut p, 0x16, 2, 7);
+    assert_eq!(rd(&p, 0x18, 2), 0);
+    assert_eq!(wr(&mut p, 0x1c, 2, 1), vec![]);
+    // Reset clears every queue.
+    assert_eq!(wr(&mut p, 0x14, 1, 0), vec![Effect::Reset]);
+    assert!(!p.queue(1).unwrap().enabled);
+    assert_eq!(p.status(), 0);
+}
+
+#[test]
+fn doorbells_name_existing_queues_only() {
+    let mut p = model();
+    assert_eq!(p.bar_write(0, NOTIFY_OFF, &[0, 0]), vec![Effect::Notify(0)]);
+    assert_eq!(p.bar_write(0, NOTIFY_OFF + 4, &1u32.to_le_bytes()), vec![Effect::Notify(1)]);
+    assert_eq!(p.bar_write(0, NOTIFY_OFF + 8, &2u32.to_le_bytes()), vec![]);
+    assert_eq!(p.bar_write(0, NOTIFY_OFF + NOTIFY_LEN - 2, &[0; 4]), vec![]);
+    assert_eq!(p.bar_write(0, u64::MAX - 1, &[0; 4]), vec![]);
+    assert_eq!(p.bar_write(1, 0, &[0; 4]), vec![]);
+}
+
+#[test]
+fn device_config_goes_to_the_device() {
+    let mut p = model();
+    assert_eq!(rd(&p, DEVICE_OFF, 4), 0x0403_0201);
+    assert_eq!(rd(&p, DEVICE_OFF + 4, 4), 0x0807_0605);
+    // The device refuses what it does not serve: reads 0.
+    assert_eq!(rd(&p, DEVICE_OFF + 6, 4), 0);
+    p.bar_write(0, DEVICE_OFF + 4, &[0x55]);
+    assert_eq!(rd(&p, DEVICE_OFF + 4, 1), 0x55);
+    p.bar_write(0, DEVICE_OFF, &[0x66]);
+    assert_eq!(rd(&p, DEVICE_OFF, 1), 1);
+    assert_eq!(rd(&p, ISR_OFF, 1), 0);
+    assert_eq!(rd(&p, 0x3ffc, 4), 0);
+}
+
+#[test]
+fn needs_reset_shows_only_on_a_running_device_until_reset() {
+    let mut p = model();
+    p.set_needs_reset();
+    assert_eq!(p.status(), 0);
+    negotiate(&mut p, ring_features::VERSION_1);
+    wr(&mut p, 0x14, 1, 0xf);
+    p.set_needs_reset();
+    assert_eq!(rd(&p, 0x14, 1), 0x4f);
+    wr(&mut p, 0x14, 1, 0);
+    assert_eq!(rd(&p, 0x14, 1), 0);
+}
