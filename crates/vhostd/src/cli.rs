@@ -351,6 +351,19 @@ impl DeviceArgs {
         }
     }
 
+    /// The protocol on the socket (--transport).
+    pub fn transport(&self) -> spec::Transport {
+        let t = match self {
+            DeviceArgs::Net(a) => a.transport,
+            DeviceArgs::Blk(a) => a.transport,
+            DeviceArgs::Scsi(a) => a.transport,
+        };
+        match t {
+            Some(TransportArg::VfioUser) => spec::Transport::VfioUser,
+            Some(TransportArg::VhostUser) | None => spec::Transport::VhostUser,
+        }
+    }
+
     /// --client: connect to the socket path instead of listening.
     pub fn client(&self) -> bool {
         match self {
@@ -395,17 +408,43 @@ impl DeviceArgs {
             },
             DeviceArgs::Scsi(a) => spec::DeviceKind::Scsi { luns: a.luns.iter().map(|l| (l.0, l.1.clone())).collect() },
         };
-        spec::DeviceSpec { name, endpoint, dataplane, device }
+        spec::DeviceSpec { name, endpoint, dataplane, device, transport: self.transport() }
     }
 
     /// Checks across options that clap cannot express.
     pub fn check(&self) -> Result<(), String> {
+        let (transport, client) = match self {
+            DeviceArgs::Net(a) => (a.transport, a.client),
+            DeviceArgs::Blk(a) => (a.transport, a.client),
+            DeviceArgs::Scsi(a) => (a.transport, a.client),
+        };
+        transport_check(self.kind(), transport, client)?;
         match self {
             DeviceArgs::Net(net) => net_check(net),
             DeviceArgs::Blk(_) => Ok(()),
             DeviceArgs::Scsi(a) => scsi_check(a),
         }
     }
+}
+
+/// --transport vfio-user serves blk only so far, and as a listener (the
+/// VMM is the vfio-user client).
+fn transport_check(kind: &str, transport: Option<TransportArg>, client: bool) -> Result<(), String> {
+    if transport != Some(TransportArg::VfioUser) {
+        return Ok(());
+    }
+    if kind != "blk" {
+        return Err(format!(
+            "--transport vfio-user: only `vhostd blk` serves vfio-user so far; `vhostd {kind}` is vhost-user only"
+        ));
+    }
+    if client {
+        return Err(
+            "--client: with --transport vfio-user the VMM (the vfio-user client) connects to vhostd; leave --client out"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 fn endpoint(path: &Option<PathBuf>, fd: Option<i32>, client: bool) -> spec::EndpointSpec {
@@ -683,6 +722,12 @@ pub struct NetArgs {
     /// second while it is not there or after it closes.
     #[arg(long, requires = "socket_path")]
     pub client: bool,
+    /// The protocol on the socket: vhost-user (the VMM keeps the virtio
+    /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
+    /// virtio-pci device; QEMU's vfio-user-pci, blk only so far).
+    /// [default: vhost-user]
+    #[arg(long, value_enum, value_name = "PROTOCOL")]
+    pub transport: Option<TransportArg>,
     /// Packet backend: loopback, sink, source, tap,ifname=NAME[,offloads=on|off]
     /// (creates or attaches to TAP NAME; one TAP queue per queue pair) or
     /// tap,fd=N[:M...][,offloads=on|off] (already-open TAP queues, one per
@@ -742,6 +787,12 @@ pub struct BlkArgs {
     /// second while it is not there or after it closes.
     #[arg(long, requires = "socket_path")]
     pub client: bool,
+    /// The protocol on the socket: vhost-user (the VMM keeps the virtio
+    /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
+    /// virtio-pci device; QEMU's vfio-user-pci, blk only so far).
+    /// [default: vhost-user]
+    #[arg(long, value_enum, value_name = "PROTOCOL")]
+    pub transport: Option<TransportArg>,
     /// Block backend: file,path=IMG[,readonly=on][,direct=on][,discard=on]
     /// (an image file or block device through io_uring; direct: O_DIRECT;
     /// discard: pass discards on as hole punching) or null,size=SIZE (no
@@ -799,6 +850,12 @@ pub struct ScsiArgs {
     /// second while it is not there or after it closes.
     #[arg(long, requires = "socket_path")]
     pub client: bool,
+    /// The protocol on the socket: vhost-user (the VMM keeps the virtio
+    /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
+    /// virtio-pci device; QEMU's vfio-user-pci, blk only so far).
+    /// [default: vhost-user]
+    #[arg(long, value_enum, value_name = "PROTOCOL")]
+    pub transport: Option<TransportArg>,
     /// A logical unit: N=file,path=IMG[,readonly=on][,direct=on][,discard=on]
     /// or N=null,size=SIZE, N from 0 to 16383 (the backends of `vhostd blk
     /// --backend`). Give it once per unit.
@@ -969,6 +1026,15 @@ fn parse_blk_backend(s: &str) -> Result<BlockSpec, String> {
     }
 }
 
+/// The protocol on a device's socket (`--transport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// vhost-user.
+    VhostUser,
+    /// vfio-user.
+    VfioUser,
+}
+
 /// How dataplane threads wait for work (`--mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum WaitMode {
@@ -1096,8 +1162,9 @@ pub fn parse() -> Cli {
     }
     let cli = Cli::parse_from(&argv);
     let check = match &cli.command {
-        Some(Command::Net(a)) => net_check(a),
-        Some(Command::Scsi(a)) => scsi_check(a),
+        Some(Command::Net(a)) => net_check(a).and(transport_check("net", a.transport, a.client)),
+        Some(Command::Blk(a)) => transport_check("blk", a.transport, a.client),
+        Some(Command::Scsi(a)) => scsi_check(a).and(transport_check("scsi", a.transport, a.client)),
         _ => Ok(()),
     };
     if let Err(e) = check {

@@ -38,6 +38,53 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::connection::{Conn, Step};
 use crate::endpoint::Endpoint;
 use crate::registry::DeviceEntry;
+use crate::spec::Transport;
+use crate::vfio::VfioConn;
+
+/// A connection of either transport, as this loop serves it.
+pub enum Link {
+    /// vhost-user.
+    Vhost(Conn),
+    /// vfio-user (boxed: the device model is large).
+    Vfio(Box<VfioConn>),
+}
+
+impl Link {
+    fn new(stream: UnixStream, entry: &DeviceEntry) -> io::Result<Link> {
+        Ok(match entry.transport {
+            Transport::VhostUser => Link::Vhost(Conn::new(stream, &entry.served)?),
+            Transport::VfioUser => Link::Vfio(Box::new(VfioConn::new(stream, &entry.served)?)),
+        })
+    }
+
+    fn stream(&self) -> &UnixStream {
+        match self {
+            Link::Vhost(c) => c.stream(),
+            Link::Vfio(c) => c.stream(),
+        }
+    }
+
+    fn finish_may_wait(&self) -> bool {
+        match self {
+            Link::Vhost(c) => c.finish_may_wait(),
+            Link::Vfio(c) => c.finish_may_wait(),
+        }
+    }
+
+    fn serve_ready(&mut self, hup: bool, hold_slow: bool) -> Step {
+        match self {
+            Link::Vhost(c) => c.serve_ready(hup, hold_slow),
+            Link::Vfio(c) => c.serve_ready(hup),
+        }
+    }
+
+    fn finish(self) {
+        match self {
+            Link::Vhost(c) => c.finish(),
+            Link::Vfio(c) => (*c).finish(),
+        }
+    }
+}
 
 /// How long a `--client` device waits between attempts to connect.
 const RETRY: Duration = Duration::from_secs(1);
@@ -159,7 +206,7 @@ fn connect_now(path: &std::path::Path) -> io::Result<UnixStream> {
 struct Dev {
     entry: Arc<DeviceEntry>,
     endpoint: Endpoint,
-    conn: Option<Conn>,
+    conn: Option<Link>,
     /// A --client device's next attempt to connect.
     retry_at: Option<Instant>,
     /// Unique per device added (a slot is reused after a removal).
@@ -182,7 +229,7 @@ struct Removal {
 /// What a thread that may wait brings back.
 enum Back {
     /// Messages answered: the connection, and what it came to (Err: a panic).
-    Served { slot: usize, id: u64, conn: Conn, step: Result<Step, ()> },
+    Served { slot: usize, id: u64, conn: Link, step: Result<Step, ()> },
     /// A connection ended (its rings stopped); whether that panicked.
     Finished { slot: usize, id: u64, panicked: bool },
 }
@@ -391,7 +438,7 @@ impl Loop {
     /// A frontend is connected to device `slot`: its messages are served.
     fn connected(&mut self, slot: usize, stream: UnixStream) {
         let Some(Some(d)) = self.devs.get_mut(slot) else { return };
-        let conn = match Conn::new(stream, &d.entry.served) {
+        let conn = match Link::new(stream, &d.entry) {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!("cannot serve the connection: {e}");
@@ -445,7 +492,7 @@ impl Loop {
     /// connection (taken out of the device meanwhile); what it returns comes
     /// back through `returned`. None: no thread could start, and the
     /// connection is handed back to be served here.
-    fn go_away(&mut self, slot: usize, job: impl FnOnce(Conn, usize, u64) -> Back + Send + 'static) -> Option<Conn> {
+    fn go_away(&mut self, slot: usize, job: impl FnOnce(Link, usize, u64) -> Back + Send + 'static) -> Option<Link> {
         let Some(Some(d)) = self.devs.get_mut(slot) else { return None };
         let conn = d.conn.take()?;
         let (id, tx) = (d.id, self.back_tx.clone());
@@ -592,7 +639,7 @@ impl Loop {
         let Some(fd) = d.conn.as_ref().map(|c| c.stream().as_raw_fd()) else { return true };
         let _ = self.epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default());
         self.ready.retain(|&s| s != slot);
-        let wait = !self.stopping && d.conn.as_ref().is_some_and(Conn::finish_may_wait);
+        let wait = !self.stopping && d.conn.as_ref().is_some_and(Link::finish_may_wait);
         let here = if wait { self.go_away(slot, finish_job) } else { d.conn.take() };
         match here {
             None => !wait,
@@ -643,18 +690,18 @@ impl Loop {
 }
 
 /// Serves `conn` (`Conn::serve_ready`); Err: it panicked.
-fn serve_caught(conn: &mut Conn, hup: bool, hold_slow: bool) -> Result<Step, ()> {
+fn serve_caught(conn: &mut Link, hup: bool, hold_slow: bool) -> Result<Step, ()> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.serve_ready(hup, hold_slow))).map_err(|_| ())
 }
 
 /// Ends a connection on a thread that may wait (its rings stop).
-fn finish_job(conn: Conn, slot: usize, id: u64) -> Back {
+fn finish_job(conn: Link, slot: usize, id: u64) -> Back {
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.finish())).is_err();
     Back::Finished { slot, id, panicked }
 }
 
 /// Ends a connection here (its rings stop); a panic marks the device failed.
-fn finish_here(conn: Conn, dev: Option<&Dev>) {
+fn finish_here(conn: Link, dev: Option<&Dev>) {
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.finish())).is_err() {
         if let Some(d) = dev {
             d.entry.fail("internal error (panic) ending a connection; see the log".into());

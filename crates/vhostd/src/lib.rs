@@ -9,7 +9,9 @@
 //! devices; `frontends` serves every device's `endpoint` on one thread;
 //! `connection` serves one vhost-user connection (the `vhost` crate's
 //! handler and a shim), driving a `session`, which drives the device (the
-//! `vhostd_device::Device` trait) and its rings on the workers.
+//! `vhostd_device::Device` trait) and its rings on the workers; `vfio`
+//! serves one vfio-user connection instead (`--transport vfio-user`), a
+//! virtio-pci model of the same device on the same workers.
 //! `registry` lists the devices for `control` (`vhostd stats`, `vhostd
 //! ctl`) and `metrics`, which render `snapshot`s.
 
@@ -34,5 +36,6 @@ pub mod signals;
 pub mod snapshot;
 pub mod spec;
 pub mod stats;
+pub mod vfio;
 pub mod worker;
 pub mod xdp_helper;

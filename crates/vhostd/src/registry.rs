@@ -29,6 +29,8 @@ pub struct DeviceEntry {
     pub hold: Mutex<crate::build::Hold>,
     /// No longer served (failed, its --fd closed, or removed).
     pub ended: AtomicBool,
+    /// The protocol its frontend speaks.
+    pub transport: crate::spec::Transport,
 }
 
 impl DeviceEntry {
@@ -56,6 +58,7 @@ impl DeviceEntry {
             failed: Mutex::new(None),
             hold: Mutex::new(None),
             ended: AtomicBool::new(false),
+            transport: crate::spec::Transport::VhostUser,
         })
     }
 

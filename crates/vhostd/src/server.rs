@@ -90,6 +90,7 @@ impl Daemon {
                     served.retire();
                 })?;
         entry.socket_path = spec.endpoint.path().map(|p| p.to_path_buf());
+        entry.transport = spec.transport;
         *entry.hold.get_mut().unwrap_or_else(|e| e.into_inner()) = hold;
         let entry = Arc::new(entry);
         self.devices.push(entry.clone());

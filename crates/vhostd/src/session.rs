@@ -83,7 +83,7 @@ impl Served {
     }
 
     /// Starts ring `slot` of group `group` on the group's worker.
-    fn attach(&self, group: usize, slot: usize, start: Start) {
+    pub(crate) fn attach(&self, group: usize, slot: usize, start: Start) {
         let places = self.lock_places();
         if let Some(p) = places.get(group) {
             self.pool.workers[p.worker].attach(self.key(group), slot, start);
@@ -94,7 +94,7 @@ impl Served {
     /// (for the ring's requests in flight: as long as a hung disk takes)
     /// is made without the places lock, so `ctl list` and the balancer's
     /// looks go on; the group is marked stopping, and does not move.
-    fn detach(&self, group: usize, slot: usize) -> Option<Returned> {
+    pub(crate) fn detach(&self, group: usize, slot: usize) -> Option<Returned> {
         let worker = {
             let mut places = self.lock_places();
             let p = places.get_mut(group)?;

@@ -21,6 +21,18 @@ pub struct DeviceSpec {
     pub dataplane: DataplaneSpec,
     /// What kind of device, with its backend.
     pub device: DeviceKind,
+    /// The protocol its frontend speaks.
+    pub transport: Transport,
+}
+
+/// The protocol a device's frontend speaks on its socket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// vhost-user: the VMM keeps the virtio device, vhostd the rings.
+    #[default]
+    VhostUser,
+    /// vfio-user: vhostd is the whole virtio-pci device (vhostd::vfio).
+    VfioUser,
 }
 
 /// Where a device meets its frontend.

@@ -1,0 +1,314 @@
+//! `vhostd blk --transport vfio-user` driven by the protocol crate's
+//! `Client` acting as the VMM and the guest's driver at once: the PCI
+//! device it shows, a request through a split ring (doorbell in, MSI-X
+//! eventfd out), what a hostile client gets back (exact errnos), DMA
+//! unmaps under a running ring, reset, the next client, poll mode's mapped
+//! doorbells, and the CLI's refusals.
+//!
+//! Every daemon is killed on drop (failures included); every wait is
+//! bounded.
+
+mod common;
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use vhostd_vfio_user::{wire, Client, ClientError, Errno, SparseArea};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+const BAR0: u32 = 0;
+const CONFIG: u32 = 7;
+const MSIX: u32 = 2;
+const NOTIFY: u64 = 0x3000;
+const MEM: u64 = 1 << 20;
+/// Ring layout in the test's guest memory (guest physical addresses).
+const DESC: u64 = 0x0;
+const AVAIL: u64 = 0x1000;
+const USED: u64 = 0x2000;
+const HDR: u64 = 0x3000;
+const DATA: u64 = 0x4000;
+const STATUS: u64 = 0x5000;
+
+fn start(extra: &[&str]) -> Daemon {
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    Daemon::start_with(None, move |sock| {
+        let mut v: Vec<String> = [
+            "blk",
+            "--transport",
+            "vfio-user",
+            "--backend",
+            "null,size=1M",
+            "--serial",
+            "vfio-serial",
+            "--socket-path",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.push(sock.display().to_string());
+        v.extend(extra);
+        v
+    })
+}
+
+fn client(d: &Daemon) -> Client {
+    let s = UnixStream::connect(&d.sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut c = Client::new(s);
+    let caps = wire::Capabilities { max_msg_fds: 8, max_data_xfer_size: 1 << 20, pgsizes: 4096, max_dma_maps: 64 };
+    c.version(&caps).unwrap();
+    c
+}
+
+fn errno<T: std::fmt::Debug>(r: Result<T, ClientError>) -> Errno {
+    match r {
+        Err(ClientError::Errno(e)) => e,
+        other => panic!("expected an errno, got {other:?}"),
+    }
+}
+
+/// Guest memory the test writes as the driver: a memfd, mapped here.
+struct Memory {
+    fd: OwnedFd,
+    ptr: *mut u8,
+}
+
+impl Memory {
+    fn new() -> Memory {
+        // SAFETY: memfd_create with a static name; checked.
+        let raw = unsafe { libc::memfd_create(c"vfio-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a new descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on our memfd.
+        assert_eq!(unsafe { libc::ftruncate(raw, MEM as i64) }, 0);
+        // SAFETY: a fresh shared mapping of the memfd's MEM bytes, checked.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), MEM as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, raw, 0)
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        Memory { fd, ptr: ptr as *mut u8 }
+    }
+
+    fn write(&self, at: u64, data: &[u8]) {
+        assert!(at + data.len() as u64 <= MEM);
+        for (i, b) in data.iter().enumerate() {
+            // SAFETY: inside the mapping (checked); volatile: vhostd reads it.
+            unsafe { self.ptr.add(at as usize + i).write_volatile(*b) };
+        }
+    }
+
+    fn read(&self, at: u64, len: usize) -> Vec<u8> {
+        assert!(at + len as u64 <= MEM);
+        // SAFETY: inside the mapping (checked); volatile: vhostd writes it.
+        (0..len).map(|i| unsafe { self.ptr.add(at as usize + i).read_volatile() }).collect()
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // SAFETY: our mapping, unmapped once.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, MEM as usize) };
+    }
+}
+
+fn w(c: &mut Client, off: u64, v: u64, len: usize) {
+    c.region_write(BAR0, off, &v.to_le_bytes()[..len]).unwrap();
+}
+
+fn r(c: &mut Client, off: u64, len: usize) -> u64 {
+    let mut b = [0u8; 8];
+    c.region_read(BAR0, off, &mut b[..len]).unwrap();
+    u64::from_le_bytes(b)
+}
+
+/// The driver's set-up of queue 0 (16 entries, vector 0) up to DRIVER_OK.
+fn driver_setup(c: &mut Client) {
+    w(c, 0x14, 0, 1); // reset
+    w(c, 0x14, 3, 1); // ACKNOWLEDGE | DRIVER
+    w(c, 0x08, 1, 4);
+    w(c, 0x0c, 1, 4); // VERSION_1
+    w(c, 0x14, 0xb, 1); // FEATURES_OK
+    assert_eq!(r(c, 0x14, 1), 0xb, "FEATURES_OK accepted");
+    w(c, 0x16, 0, 2);
+    w(c, 0x18, 16, 2);
+    w(c, 0x20, DESC, 8);
+    w(c, 0x28, AVAIL, 8);
+    w(c, 0x30, USED, 8);
+    w(c, 0x1a, 0, 2);
+    assert_eq!(r(c, 0x1a, 2), 0, "vector 0 taken");
+    w(c, 0x1c, 1, 2);
+    w(c, 0x14, 0xf, 1); // DRIVER_OK
+}
+
+/// Posts a GET_ID request as avail entry `n` (a chain of header, 20-byte
+/// data, status), rings the doorbell and waits for the interrupt.
+fn get_id(c: &mut Client, m: &Memory, irq: &EventFd, n: u16) -> (u16, Vec<u8>, u8) {
+    let desc = |i: u64, addr: u64, len: u32, flags: u16, next: u16| {
+        let mut d = Vec::new();
+        d.extend_from_slice(&addr.to_le_bytes());
+        d.extend_from_slice(&len.to_le_bytes());
+        d.extend_from_slice(&flags.to_le_bytes());
+        d.extend_from_slice(&next.to_le_bytes());
+        m.write(DESC + 16 * i, &d);
+    };
+    m.write(HDR, &[8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // VIRTIO_BLK_T_GET_ID
+    m.write(STATUS, &[0xff]);
+    desc(0, HDR, 16, 1, 1);
+    desc(1, DATA, 20, 3, 2);
+    desc(2, STATUS, 1, 2, 0);
+    m.write(AVAIL + 4 + 2 * u64::from(n % 16), &0u16.to_le_bytes());
+    m.write(AVAIL + 2, &(n + 1).to_le_bytes());
+    w(c, NOTIFY, 0, 2);
+    // Interrupts until the used entry shows (the worker also signals
+    // once as the ring starts).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let used_idx = || u16::from_le_bytes(m.read(USED + 2, 2).try_into().unwrap());
+    while used_idx() != n + 1 {
+        let left = deadline.saturating_duration_since(std::time::Instant::now()).as_millis() as i32;
+        assert!(left > 0 && wait_readable(irq.as_raw_fd(), left), "no used entry with its MSI-X interrupt within 10 s");
+        let _ = irq.read();
+    }
+    let used = used_idx();
+    (used, m.read(DATA, 20), m.read(STATUS, 1)[0])
+}
+
+/// The eventfd's descriptor, borrowed for as long as it lives.
+fn bfd(e: &EventFd) -> BorrowedFd<'_> {
+    // SAFETY: the descriptor stays open while `e` lives, and the borrow
+    // cannot outlive `e`.
+    unsafe { BorrowedFd::borrow_raw(e.as_raw_fd()) }
+}
+
+fn wait_readable(fd: i32, ms: i32) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut p, 1, ms) == 1 }
+}
+
+#[test]
+fn shows_a_virtio_blk_pci_device_with_msix() {
+    let d = start(&[]);
+    let mut c = client(&d);
+    let info = c.device_info().unwrap();
+    assert_eq!((info.flags, info.num_regions, info.num_irqs), (wire::DEVICE_FLAG_RESET | wire::DEVICE_FLAG_PCI, 9, 5));
+    let mut id = [0u8; 4];
+    c.region_read(CONFIG, 0, &mut id).unwrap();
+    assert_eq!(u32::from_le_bytes(id), 0x1042_1af4);
+    let bar0 = c.region_info(BAR0).unwrap();
+    assert_eq!((bar0.size, bar0.flags & wire::REGION_FLAG_MMAP, bar0.fd.is_none()), (0x4000, 0, true));
+    assert_eq!(c.irq_info(MSIX).unwrap().count, 2, "one vector for the queue, one for config");
+    // The device config is blk's: capacity 1 MiB in sectors.
+    assert_eq!(r(&mut c, 0x2000, 8), 2048);
+}
+
+#[test]
+fn a_request_goes_through_doorbell_and_msix_vector() {
+    let d = start(&["--mode", "interrupt"]);
+    let mut c = client(&d);
+    let m = Memory::new();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    driver_setup(&mut c);
+    let (used, serial, status) = get_id(&mut c, &m, &irq, 0);
+    assert_eq!((used, status), (1, 0));
+    assert_eq!(&serial[..11], b"vfio-serial");
+
+    // Unmapping the ring's memory succeeds (as under an IOMMU): the ring
+    // stops, keeps its place, and resumes when the memory is back.
+    c.dma_unmap(0, MEM, 0).unwrap();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    let (used, _, status) = get_id(&mut c, &m, &irq, 1);
+    assert_eq!((used, status), (2, 0), "the ring resumed where it stopped");
+
+    // Status 0 resets: the queue is disabled, the status reads 0.
+    w(&mut c, 0x14, 0, 1);
+    assert_eq!(r(&mut c, 0x14, 1), 0);
+    assert_eq!(r(&mut c, 0x1c, 2), 0);
+
+    // The next client gets a fresh device on the same daemon.
+    drop(c);
+    let mut c = client(&d);
+    assert_eq!(r(&mut c, 0x14, 1), 0);
+    assert_eq!(c.dma_unmap(0, MEM, 0).map_err(|e| e.to_string()), Err(errno_text(Errno::ENOENT)), "maps dropped");
+    let stats = d.stop();
+    assert_eq!(stats.queue(0, "get_ids"), 2);
+}
+
+fn errno_text(e: Errno) -> String {
+    ClientError::Errno(e).to_string()
+}
+
+#[test]
+fn a_hostile_client_gets_exact_errors_and_the_connection_lives_on() {
+    let d = start(&[]);
+    let mut c = client(&d);
+    let m = Memory::new();
+    let rw = wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE;
+    // Region accesses out of range, and regions that do not exist.
+    assert_eq!(errno(c.region_read(CONFIG, 252, &mut [0; 8])), Errno::EINVAL);
+    assert_eq!(errno(c.region_read(BAR0, 0x3ffc, &mut [0; 8])), Errno::EINVAL);
+    assert_eq!(errno(c.region_write(BAR0, u64::MAX - 2, &[0; 4])), Errno::EINVAL);
+    assert_eq!(errno(c.region_read(9, 0, &mut [0; 4])), Errno::EINVAL);
+    assert_eq!(errno(c.region_read(3, 0, &mut [0; 4])), Errno::EINVAL, "an absent BAR has size 0");
+    // Bad interrupt indexes and ranges.
+    let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+    let trig = wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER;
+    assert_eq!(errno(c.set_irqs(5, trig, 0, 1, &[], &[bfd(&irq)])), Errno::EINVAL);
+    assert_eq!(errno(c.set_irqs(MSIX, trig, 2, 1, &[], &[bfd(&irq)])), Errno::EINVAL);
+    assert_eq!(errno(c.set_irqs(0, trig, 0, 1, &[], &[bfd(&irq)])), Errno::EINVAL, "no INTx");
+    let mask = wire::IRQ_SET_DATA_NONE | wire::IRQ_SET_ACTION_MASK;
+    assert_eq!(errno(c.set_irqs(MSIX, mask, 0, 1, &[], &[])), Errno::EINVAL, "MSI-X is not maskable here");
+    // Overlapping DMA maps, and unmaps that match nothing.
+    c.dma_map(0x10_0000, MEM, 0, rw, Some(m.fd.as_fd())).unwrap();
+    assert_eq!(errno(c.dma_map(0x18_0000, MEM, 0, rw, Some(m.fd.as_fd()))), Errno::EEXIST);
+    assert_eq!(errno(c.dma_map(0x0f_f000, 0x2000, 0, rw, Some(m.fd.as_fd()))), Errno::EEXIST);
+    assert_eq!(errno(c.dma_unmap(0x10_0000, 0x1000, 0)), Errno::ENOENT);
+    // A map without a descriptor (a ROM) is taken; never a DMA target.
+    c.dma_map(0x30_0000, 0x1000, 0, wire::DMA_MAP_FLAG_READ, None).unwrap();
+    // A queue enabled before FEATURES_OK stays disabled.
+    w(&mut c, 0x1c, 1, 2);
+    assert_eq!(r(&mut c, 0x1c, 2), 0);
+    // Features not offered: FEATURES_OK does not stick.
+    w(&mut c, 0x08, 0, 4);
+    w(&mut c, 0x0c, 1 << 5, 4);
+    w(&mut c, 0x14, 0xb, 1);
+    assert_eq!(r(&mut c, 0x14, 1), 0x3);
+    // Still served.
+    c.dma_unmap(0, 0, wire::DMA_UNMAP_FLAG_ALL).unwrap();
+    c.reset().unwrap();
+    assert_eq!(c.device_info().unwrap().num_regions, 9);
+}
+
+#[test]
+fn poll_mode_offers_the_doorbell_page_to_map() {
+    let d = start(&["--mode", "poll"]);
+    let mut c = client(&d);
+    let bar0 = c.region_info(BAR0).unwrap();
+    assert_ne!(bar0.flags & wire::REGION_FLAG_MMAP, 0);
+    assert_eq!(bar0.sparse, vec![SparseArea { offset: NOTIFY, size: 0x1000 }]);
+    assert!(bar0.fd.is_some());
+}
+
+#[test]
+fn vfio_user_is_refused_where_it_does_not_serve_yet() {
+    let dir = tempdir();
+    let sock = dir.join("s.sock");
+    let run = |args: &[&str]| {
+        let out = vhostd_in(None).args(args).stdin(Stdio::null()).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let s = sock.display().to_string();
+    let (code, err) = run(&["net", "--transport", "vfio-user", "--socket-path", &s, "--backend", "loopback"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--transport vfio-user"), "{err}");
+    let (code, err) =
+        run(&["blk", "--transport", "vfio-user", "--client", "--socket-path", &s, "--backend", "null,size=1M"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--client"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
