@@ -10,6 +10,12 @@ VHOSTD=${VHOSTD:-$PWD/target/release/vhostd}
 QEMU=${QEMU:-qemu-system-x86_64}
 GUEST_DIR=${GUEST_DIR:-$PWD/build/guest}
 
+# vhost-user (default) or vfio-user: how start_vhostd serves and
+# start_guest attaches the net device (vfio-user: QEMU's vfio-user-pci,
+# vhostd being the whole PCI device; QEMU 10.1 or later, else the test
+# prints SKIP and passes).
+TRANSPORT=${TRANSPORT:-vhost-user}
+
 WORK=$(mktemp -d /tmp/vhostd-qemu.XXXXXX)
 VHOSTD_PID=
 QEMU_PID=
@@ -96,7 +102,8 @@ in_ns() { ip netns exec "$NETNS" "$@"; }
 start_vhostd() {
     local ns=()
     [ -n "$NETNS" ] && ns=(ip netns exec "$NETNS")
-    "${ns[@]}" "$VHOSTD" net --socket-path "$WORK/net.sock" "$@" > "$WORK/vhostd.out" 2> "$WORK/vhostd.err" &
+    "${ns[@]}" "$VHOSTD" net --transport "$TRANSPORT" --socket-path "$WORK/net.sock" "$@" \
+        > "$WORK/vhostd.out" 2> "$WORK/vhostd.err" &
     VHOSTD_PID=$!
     wait_for 10 grep -qs "vhostd: listening" "$WORK/vhostd.err" || {
         echo "vhostd did not start:"; cat "$WORK/vhostd.err"; return 1; }
@@ -199,9 +206,16 @@ qemu_reconnect() {
 }
 
 # start_guest SCENARIO TIMEOUT [NETDEV_EXTRA] [DEVICE_EXTRA]: boots the guest
-# (start_qemu) with a virtio-net-pci device on vhostd's $WORK/net.sock.
+# (start_qemu) with a virtio-net-pci device on vhostd's $WORK/net.sock
+# (TRANSPORT=vfio-user: a vfio-user-pci device there; the extras, options
+# of QEMU's virtio-net, do not apply: the device is vhostd's).
 start_guest() {
     local scenario=$1 timeout=$2 netdev_extra=${3:-} device_extra=${4:-}
+    if [ "$TRANSPORT" = vfio-user ]; then
+        start_qemu "$scenario" "$timeout" -nic none \
+            -device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$WORK/net.sock\"}}"
+        return
+    fi
     start_qemu "$scenario" "$timeout" \
         -chardev socket,id=c0,path="$WORK/net.sock" \
         -netdev "vhost-user,id=n0,chardev=c0$netdev_extra" \
@@ -257,3 +271,8 @@ wait_console() {
 guest_value() {
     tr -d '\r' < "$WORK/console.log" | sed -n "s/.*VHOSTD-TEST: .*\b$1=\([^ ]*\).*/\1/p" | tail -1
 }
+
+if [ "$TRANSPORT" = vfio-user ] && ! qemu_at_least 10 1; then
+    echo "SKIP ${TEST_NAME:-$0}: $("$QEMU" -version | head -1) has no vfio-user-pci (10.1 or later)"
+    exit 0
+fi

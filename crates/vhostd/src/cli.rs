@@ -427,15 +427,15 @@ impl DeviceArgs {
     }
 }
 
-/// --transport vfio-user serves blk only so far, and as a listener (the
-/// VMM is the vfio-user client).
+/// --transport vfio-user serves blk and net so far, and as a listener
+/// (the VMM is the vfio-user client).
 fn transport_check(kind: &str, transport: Option<TransportArg>, client: bool) -> Result<(), String> {
     if transport != Some(TransportArg::VfioUser) {
         return Ok(());
     }
-    if kind != "blk" {
+    if kind == "scsi" {
         return Err(format!(
-            "--transport vfio-user: only `vhostd blk` serves vfio-user so far; `vhostd {kind}` is vhost-user only"
+            "--transport vfio-user: `vhostd blk` and `vhostd net` serve vfio-user so far; `vhostd {kind}` is vhost-user only"
         ));
     }
     if client {
@@ -724,7 +724,7 @@ pub struct NetArgs {
     pub client: bool,
     /// The protocol on the socket: vhost-user (the VMM keeps the virtio
     /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
-    /// virtio-pci device; QEMU's vfio-user-pci, blk only so far).
+    /// virtio-pci device; QEMU's vfio-user-pci; blk and net so far).
     /// [default: vhost-user]
     #[arg(long, value_enum, value_name = "PROTOCOL")]
     pub transport: Option<TransportArg>,
@@ -789,7 +789,7 @@ pub struct BlkArgs {
     pub client: bool,
     /// The protocol on the socket: vhost-user (the VMM keeps the virtio
     /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
-    /// virtio-pci device; QEMU's vfio-user-pci, blk only so far).
+    /// virtio-pci device; QEMU's vfio-user-pci; blk and net so far).
     /// [default: vhost-user]
     #[arg(long, value_enum, value_name = "PROTOCOL")]
     pub transport: Option<TransportArg>,
@@ -852,7 +852,7 @@ pub struct ScsiArgs {
     pub client: bool,
     /// The protocol on the socket: vhost-user (the VMM keeps the virtio
     /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
-    /// virtio-pci device; QEMU's vfio-user-pci, blk only so far).
+    /// virtio-pci device; QEMU's vfio-user-pci; blk and net so far).
     /// [default: vhost-user]
     #[arg(long, value_enum, value_name = "PROTOCOL")]
     pub transport: Option<TransportArg>,

@@ -303,7 +303,7 @@ fn vfio_user_is_refused_where_it_does_not_serve_yet() {
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let s = sock.display().to_string();
-    let (code, err) = run(&["net", "--transport", "vfio-user", "--socket-path", &s, "--backend", "loopback"]);
+    let (code, err) = run(&["scsi", "--transport", "vfio-user", "--socket-path", &s, "--lun", "0=null,size=1M"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--transport vfio-user"), "{err}");
     let (code, err) =
