@@ -4,7 +4,8 @@
 # scenario (guest/init) driven through `vhostd.blk=` on its kernel command
 # line, and checks of what the guest reported against the image.
 #
-# Env: BLK_BACKEND=vhostd (default: `$VHOSTD blk`) or qsd
+# Env: TRANSPORT (tests/lib-qemu.sh; vfio-user needs BLK_BACKEND=vhostd),
+# BLK_BACKEND=vhostd (default: `$VHOSTD blk`) or qsd
 # (qemu-storage-daemon's vhost-user-blk export, the peer the tests are
 # checked against); BLK_DIRECT=on (the backend opens the image with
 # O_DIRECT); VHOSTD_ARGS (extra `vhostd blk` arguments); QSD (the
@@ -22,6 +23,8 @@ num() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 # blk_prereqs: the backend, QEMU and the guest image are there.
 blk_prereqs() {
+    [ "$TRANSPORT" = vhost-user ] || [ "$BLK_BACKEND" = vhostd ] ||
+        fail "TRANSPORT=$TRANSPORT needs BLK_BACKEND=vhostd (qemu-storage-daemon exports vhost-user)"
     case "$BLK_BACKEND" in
     vhostd) [ -x "$VHOSTD" ] || fail "no vhostd binary at $VHOSTD (cargo build --release)" ;;
     qsd) command -v "$QSD" >/dev/null || fail "no $QSD (Debian qemu-system-common)" ;;
@@ -57,8 +60,8 @@ start_blk() {
         [ -n "$discard" ] && be="$be,discard=on"
         [ "$BLK_DIRECT" = on ] && be="$be,direct=on"
         # shellcheck disable=SC2086 # VHOSTD_ARGS is a list of words
-        start_backend "$BLK_SOCK" 20 "$VHOSTD" blk --socket-path "$BLK_SOCK" --backend "$be" \
-            --queues "$queues" ${VHOSTD_ARGS:-}
+        start_backend "$BLK_SOCK" 20 "$VHOSTD" blk --transport "$TRANSPORT" --socket-path "$BLK_SOCK" \
+            --backend "$be" --queues "$queues" ${VHOSTD_ARGS:-}
     fi
 }
 

@@ -225,9 +225,16 @@ start_guest() {
 # start_guest_blk SCENARIO TIMEOUT SOCKET QUEUES [DEVICE_EXTRA]: boots the
 # guest (start_qemu) with a vhost-user-blk-pci device of QUEUES request
 # queues on SOCKET (the backend must be listening: QEMU reads the disk's
-# config from it at start-up) and no network device.
+# config from it at start-up) and no network device (TRANSPORT=vfio-user:
+# a vfio-user-pci device on SOCKET).
 start_guest_blk() {
     local scenario=$1 timeout=$2 sock=$3 queues=$4 device_extra=${5:-}
+    if [ "$TRANSPORT" = vfio-user ]; then
+        # The queues are the backend's (vhostd --queues); QEMU's options do not apply.
+        start_qemu "$scenario" "$timeout" -nic none \
+            -device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$sock\"}}"
+        return
+    fi
     start_qemu "$scenario" "$timeout" -nic none \
         -chardev socket,id=c0,path="$sock" \
         -device "vhost-user-blk-pci,chardev=c0,num-queues=$queues$(qemu_vectors)$device_extra"
