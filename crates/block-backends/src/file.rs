@@ -24,6 +24,16 @@
 //!   file system lacks it (EOPNOTSUPP, e.g. tmpfs) the backend falls back,
 //!   from then on, to punching a hole and allocating the range again
 //!   (zeroes, and the space stays allocated as the request demands).
+//! - **tmpfs and ramfs: reads and writes in the calling thread.** Their
+//!   buffered I/O never waits on a device (only on swap, if pages were
+//!   swapped out), yet the kernel offers them no non-blocking attempt
+//!   (RWF_NOWAIT is EOPNOTSUPP there), so io_uring would hand every request
+//!   to an io-wq worker: a thread hop and a wake-up per request, for a
+//!   copy. Instead `queue` runs them with preadv/pwritev (short transfers
+//!   finished as below) and the next `reap` returns their completions;
+//!   nothing signals the completion fd for them, and the devices reap
+//!   after every submit. Flush, discard, write-zeroes, O_DIRECT and block
+//!   devices (whose /dev node is on devtmpfs) still go through io_uring.
 //! - Requests run concurrently and complete in any order: a flush covers the
 //!   writes completed before it was queued, not those still in flight.
 
@@ -195,6 +205,11 @@ pub struct FileBackend {
     /// Every request goes to the kernel's io-wq workers (IOSQE_ASYNC)
     /// rather than being tried in the submitting thread first.
     punt: bool,
+    /// Reads and writes run in `queue` (tmpfs, ramfs; see the module docs).
+    inline: bool,
+    /// Completions of requests run inline, for the next `reap`. With the
+    /// ring's in-flight slots at most `depth` (never reallocated).
+    ready: Vec<Completion>,
 }
 
 // SAFETY: the only fields that are not Send are the iovecs' raw pointers.
@@ -204,7 +219,14 @@ pub struct FileBackend {
 unsafe impl Send for FileBackend {}
 
 impl FileBackend {
-    fn new(file: Arc<File>, read_only: bool, discard: bool, depth: usize, punt: bool) -> io::Result<FileBackend> {
+    fn new(
+        file: Arc<File>,
+        read_only: bool,
+        discard: bool,
+        depth: usize,
+        punt: bool,
+        inline: bool,
+    ) -> io::Result<FileBackend> {
         let entries = depth.next_power_of_two().max(8) as u32;
         let ring = IoUring::new(entries)?;
         // SAFETY: eventfd() takes no pointers; the result is checked below.
@@ -228,11 +250,59 @@ impl FileBackend {
             unsubmitted: 0,
             stats: BlockStats::default(),
             punt,
+            inline,
+            ready: Vec::with_capacity(if inline { depth } else { 0 }),
         })
     }
 
     fn fd(&self) -> types::Fd {
         types::Fd(self.file.as_raw_fd())
+    }
+
+    /// Requests in the ring's slots (handed to the kernel or queued for it).
+    fn ring_in_flight(&self) -> usize {
+        self.depth - self.slab.free.len()
+    }
+
+    /// Runs slot `idx`'s read or write to the end with preadv/pwritev in
+    /// this thread; its result, as its CQEs would have made it.
+    fn transfer_inline(&mut self, idx: usize) -> i64 {
+        let fd = self.file.as_raw_fd();
+        loop {
+            let slot = self.slab.slots[idx];
+            if slot.left == 0 {
+                return slot.total as i64;
+            }
+            let iov = self.slab.iovecs_of(idx);
+            // At most MAX_SEGS (256) iovecs, below IOV_MAX.
+            let cnt = iov.len() as libc::c_int;
+            // Past i64::MAX it turns negative and the kernel says EINVAL.
+            let off = slot.offset as libc::off_t;
+            // SAFETY: the iovecs are this slot's, describing guest buffers
+            // the fence made from mapped memory; the request's IoBufs (and
+            // the hold this slot took) keep that memory mapped for the call.
+            // The kernel checks every address it touches (EFAULT).
+            let n = unsafe {
+                if slot.stage == Stage::Read {
+                    libc::preadv(fd, iov.as_ptr(), cnt, off)
+                } else {
+                    libc::pwritev(fd, iov.as_ptr(), cnt, off)
+                }
+            };
+            let res = if n < 0 {
+                let e = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+                if e == libc::EINTR {
+                    continue;
+                }
+                -e
+            } else {
+                // One call moves at most MAX_RW_COUNT (< 2 GiB) bytes.
+                i32::try_from(n).unwrap_or(i32::MAX)
+            };
+            if let Some(result) = self.step(idx, res) {
+                return result;
+            }
+        }
     }
 
     /// `entry`, handed to the kernel's workers at once where the file
@@ -315,13 +385,17 @@ impl FileBackend {
 
 impl BlockBackend for FileBackend {
     fn room(&self) -> usize {
-        self.slab.free.len()
+        // Unreaped inline completions count as in flight.
+        self.slab.free.len().saturating_sub(self.ready.len())
     }
 
     fn queue(&mut self, req: &Request<'_>) -> Result<(), i64> {
         let Some(&idx) = self.slab.free.last() else {
             return Err(-(libc::EBUSY as i64));
         };
+        if self.room() == 0 {
+            return Err(-(libc::EBUSY as i64));
+        }
         let idx = idx as usize;
         let writes = matches!(req.op, Op::Write | Op::Discard | Op::WriteZeroes { .. });
         if writes && self.read_only {
@@ -351,6 +425,17 @@ impl BlockBackend for FileBackend {
                 slot.total = total;
                 slot.iov_end = req.bufs.pieces();
                 req.bufs.renew_hold(&mut self.slab.holds[idx]);
+                if self.inline {
+                    // Done now; the slot stays free (its hold too, as for
+                    // a slot whose completion was reaped).
+                    slot.stage = if req.op == Op::Read { Stage::Read } else { Stage::Write };
+                    self.slab.slots[idx] = slot;
+                    let result = self.transfer_inline(idx);
+                    self.slab.slots[idx] = FREE_SLOT;
+                    self.ready.push(Completion { tag: req.tag, result });
+                    self.stats.submitted += 1;
+                    return Ok(());
+                }
                 if total == 0 {
                     // Nothing to move; a 0-byte result would read as -EIO.
                     slot.stage = Stage::Simple;
@@ -417,6 +502,13 @@ impl BlockBackend for FileBackend {
     }
 
     fn reap(&mut self, out: &mut Vec<Completion>) {
+        for c in self.ready.drain(..) {
+            self.stats.completed += 1;
+            if c.result < 0 {
+                self.stats.errors += 1;
+            }
+            out.push(c);
+        }
         let mut resubmitted = false;
         loop {
             let Some(cqe) = self.ring.completion().next() else { break };
@@ -446,13 +538,14 @@ impl BlockBackend for FileBackend {
     }
 
     fn wait(&mut self) {
-        if self.in_flight() > 0 {
+        // Inline completions are ready: the ring may have nothing to wait for.
+        if self.ready.is_empty() && self.ring_in_flight() > 0 {
             self.enter(1);
         }
     }
 
     fn in_flight(&self) -> usize {
-        self.depth - self.slab.free.len()
+        self.ring_in_flight() + self.ready.len()
     }
 
     fn completion_fd(&self) -> Option<RawFd> {
@@ -495,7 +588,7 @@ impl Drop for FileBackend {
     /// and buffers. Completions reaped here are dropped.
     fn drop(&mut self) {
         let mut out = Vec::new();
-        while self.in_flight() > 0 {
+        while self.ring_in_flight() > 0 {
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if e.raw_os_error() != Some(libc::EINTR) {
                     tracing::warn!("io_uring: {} requests still in flight at close: {e}", self.in_flight());
@@ -559,10 +652,16 @@ pub(crate) fn open(
         tracing::info!("{name}: on {fs}, whose server may stop answering: every request goes to io_uring's workers, never waiting in the dataplane's thread");
     }
     let punt = server_fs.is_some();
+    // A block device's node lies on devtmpfs, which says TMPFS_MAGIC.
+    let memory_fs = if direct || punt || is_blockdev { None } else { memory_fs(&file) };
+    if let Some(fs) = memory_fs {
+        tracing::info!("{name}: on {fs}: reads and writes run in the dataplane's thread, not through io_uring");
+    }
+    let inline = memory_fs.is_some();
     let file = Arc::new(file);
     let mut backends: Vec<Box<dyn BlockBackend>> = Vec::with_capacity(queues);
     for _ in 0..queues {
-        let backend = FileBackend::new(file.clone(), readonly, discard, depth, punt)
+        let backend = FileBackend::new(file.clone(), readonly, discard, depth, punt, inline)
             .map_err(|e| fail(e.kind(), format!("io_uring set-up: {e}")))?;
         backends.push(Box::new(backend));
     }
@@ -583,8 +682,12 @@ const SERVER_FS: &[(u32, &str)] = &[
     (0x00c3_6400, "ceph"),
 ];
 
-/// The `SERVER_FS` file system `file` lies on, if any (unknown: none).
-fn server_fs(file: &File) -> Option<&'static str> {
+/// File systems kept in memory (statfs f_type), whose buffered reads and
+/// writes run inline (see the module docs).
+const MEMORY_FS: &[(u32, &str)] = &[(0x0102_1994, "tmpfs"), (0x8584_58f6, "ramfs")];
+
+/// The file system magic of `file` (statfs f_type), if fstatfs answers.
+fn fs_magic(file: &File) -> Option<u32> {
     // SAFETY: an all-zero statfs is a valid value of the plain C struct.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: fstatfs writes one statfs through the pointer, which points
@@ -594,7 +697,19 @@ fn server_fs(file: &File) -> Option<&'static str> {
     }
     // The magic numbers are 32 bits; f_type is a signed word, which on a
     // 32-bit target holds the SMB ones negative: compare the low 32 bits.
-    SERVER_FS.iter().find(|&&(magic, _)| st.f_type as u32 == magic).map(|&(_, fs)| fs)
+    Some(st.f_type as u32)
+}
+
+/// The `SERVER_FS` file system `file` lies on, if any (unknown: none).
+fn server_fs(file: &File) -> Option<&'static str> {
+    let magic = fs_magic(file)?;
+    SERVER_FS.iter().find(|&&(m, _)| m == magic).map(|&(_, fs)| fs)
+}
+
+/// The `MEMORY_FS` file system `file` lies on, if any (unknown: none).
+fn memory_fs(file: &File) -> Option<&'static str> {
+    let magic = fs_magic(file)?;
+    MEMORY_FS.iter().find(|&&(m, _)| m == magic).map(|&(_, fs)| fs)
 }
 
 fn check_type(t: &std::fs::FileType) -> Result<(), String> {

@@ -93,7 +93,9 @@ pub struct BlockStats {
 pub trait BlockBackend: Send {
     /// How many more requests may be queued now (in flight is bounded).
     fn room(&self) -> usize;
-    /// Queues a request; it starts at the next `submit`. Fails (negative
+    /// Queues a request; it starts at the next `submit`, or runs at once
+    /// (the file backend on tmpfs) and then completes at the next `reap`,
+    /// with no wake-up on `completion_fd`. Fails (negative
     /// errno, nothing queued) when there is no room or the request is not
     /// supported by this backend. A backend that hands the buffers to the
     /// kernel keeps `req.bufs.memory_hold()` until the request completes

@@ -572,3 +572,159 @@ fn block_device_read_only() {
     let at = g.alloc(4096, 0);
     assert_eq!(run(bs[0].as_mut(), &req(1, Op::Read, 0, 4096, &g.io(&[(at, 4096)]))), 4096);
 }
+
+/// The file system magic of `dir` (statfs f_type), if statfs answers.
+fn fs_magic(dir: &Path) -> Option<u32> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills it
+    // for a valid C path.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        (libc::statfs(c.as_ptr(), &mut st) == 0).then_some(st.f_type as u32)
+    }
+}
+
+/// /dev/shm if it is a tmpfs (else the test says so and is not checked).
+fn shm() -> Option<&'static Path> {
+    let shm = Path::new("/dev/shm");
+    if fs_magic(shm) == Some(libc::TMPFS_MAGIC as u32) {
+        Some(shm)
+    } else {
+        println!("note: /dev/shm is not a tmpfs; not checked");
+        None
+    }
+}
+
+/// Whether `fd` polls readable within `ms` milliseconds.
+fn readable(fd: RawFd, ms: i32) -> bool {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, bounded timeout.
+    unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+}
+
+/// Reaps once, without waiting.
+fn reap_now(b: &mut dyn BlockBackend) -> Vec<Completion> {
+    let mut out = Vec::new();
+    b.reap(&mut out);
+    out
+}
+
+#[test]
+fn tmpfs_reads_and_writes_complete_inline() {
+    let Some(shm) = shm() else { return };
+    let t = Temp::file_in(shm, "inline", 1 << 20);
+    let mut b = one(&t.path, 4);
+    let fd = b.completion_fd().unwrap();
+    let mut g = Guest::new();
+    let bare = Arc::strong_count(&g.mem);
+    // Several segments, not sector-sized, one of them empty.
+    let data = pattern(3 * 4096 + 1536, 21);
+    let w = g.with(&data);
+    let pieces = [(w, 1000), (w + 1000, 0), (w + 1000, 7000), (w + 8000, data.len() - 8000)];
+    let io_w = g.io(&pieces);
+    let base = Arc::strong_count(&g.mem);
+    b.queue(&req(1, Op::Write, 8192 + 512, data.len() as u64, &io_w)).unwrap();
+    // Finished, and counted in flight until reaped.
+    assert_eq!((b.in_flight(), b.room()), (1, 3));
+    assert_eq!(Arc::strong_count(&g.mem), base + 1, "the slot holds the memory as a reaped slot does");
+    b.submit();
+    assert_eq!(reap_now(b.as_mut()), vec![Completion { tag: 1, result: data.len() as i64 }]);
+    assert_eq!(b.in_flight(), 0);
+    let on_file = std::fs::read(&t.path).unwrap();
+    assert_eq!(&on_file[8192 + 512..8192 + 512 + data.len()], &data[..]);
+    assert!(on_file[..8192 + 512].iter().all(|&x| x == 0));
+    assert!(on_file[8192 + 512 + data.len()..].iter().all(|&x| x == 0));
+    // Read back with other boundaries, 512 bytes before and after.
+    let r = g.alloc(data.len() + 1024, 0xee);
+    let io_r = g.io(&[(r, 3000), (r + 3000, 5000), (r + 8000, data.len() + 1024 - 8000)]);
+    b.queue(&req(2, Op::Read, 8192, data.len() as u64 + 1024, &io_r)).unwrap();
+    b.submit();
+    assert_eq!(reap_now(b.as_mut()), vec![Completion { tag: 2, result: data.len() as i64 + 1024 }]);
+    let got = g.get(r, data.len() + 1024);
+    assert!(got[..512].iter().all(|&x| x == 0) && got[512 + data.len()..].iter().all(|&x| x == 0));
+    assert_eq!(&got[512..512 + data.len()], &data[..]);
+    // No io_uring_enter, and no wake-up to consume.
+    let s = b.stats();
+    assert_eq!((s.submitted, s.completed, s.errors, s.submit_calls), (2, 2, 0, 0));
+    assert!(!readable(fd, 0), "nothing signals the completion fd for inline requests");
+    // A flush still goes through the ring, and wakes the completion fd.
+    b.queue(&req(3, Op::Flush, 0, 0, NONE)).unwrap();
+    b.submit();
+    assert!(readable(fd, 5000), "a flush's completion wakes the fd");
+    assert_eq!(collect(b.as_mut(), 1), vec![Completion { tag: 3, result: 0 }]);
+    assert_eq!(b.stats().submit_calls, 1);
+    drop((io_w, io_r));
+    assert!(Arc::strong_count(&g.mem) > bare, "held after completion, until released");
+    b.release_memory();
+    assert_eq!(Arc::strong_count(&g.mem), bare, "released");
+}
+
+#[test]
+fn tmpfs_short_read_at_eof_and_past_it() {
+    let Some(shm) = shm() else { return };
+    let t = Temp::file_in(shm, "inline-eof", 8192);
+    let content = pattern(8192, 5);
+    std::fs::write(&t.path, &content).unwrap();
+    let mut b = one(&t.path, 4);
+    let mut g = Guest::new();
+    // Half of it lies past the end: the first preadv moves 4096 bytes (the
+    // second buffer's start), the rest reads nothing, and that is -EIO.
+    let (x, y) = (g.alloc(2048, 0xee), g.alloc(6144, 0xee));
+    b.queue(&req(1, Op::Read, 4096, 8192, &g.io(&[(x, 2048), (y, 6144)]))).unwrap();
+    b.submit();
+    assert_eq!(reap_now(b.as_mut()), vec![Completion { tag: 1, result: EIO }]);
+    assert_eq!(g.get(x, 2048), &content[4096..6144]);
+    let rest = g.get(y, 6144);
+    assert_eq!(&rest[..2048], &content[6144..]);
+    assert!(rest[2048..].iter().all(|&v| v == 0xee), "nothing past the end");
+    // Wholly past the end.
+    let z = g.alloc(4096, 0);
+    b.queue(&req(2, Op::Read, 8192, 4096, &g.io(&[(z, 4096)]))).unwrap();
+    b.submit();
+    assert_eq!(reap_now(b.as_mut()), vec![Completion { tag: 2, result: EIO }]);
+    let s = b.stats();
+    assert_eq!((s.completed, s.errors, s.submit_calls), (2, 2, 0));
+}
+
+#[test]
+fn tmpfs_inline_completions_fill_the_depth() {
+    let Some(shm) = shm() else { return };
+    let t = Temp::file_in(shm, "inline-depth", 65536);
+    let mut b = one(&t.path, 2);
+    let mut g = Guest::new();
+    let at = g.alloc(3 * 4096, 0);
+    let ios: Vec<IoBufs> = (0..3).map(|k| g.io(&[(at + k * 4096, 4096)])).collect();
+    b.queue(&req(1, Op::Read, 0, 4096, &ios[0])).unwrap();
+    b.queue(&req(2, Op::Write, 4096, 4096, &ios[1])).unwrap();
+    // Unreaped, they still take the room.
+    assert_eq!((b.in_flight(), b.room()), (2, 0));
+    assert_eq!(b.queue(&req(3, Op::Read, 0, 4096, &ios[2])), Err(EBUSY));
+    assert_eq!(b.queue(&req(3, Op::Flush, 0, 0, NONE)), Err(EBUSY));
+    // Waiting returns at once: they are done.
+    b.wait();
+    let mut tags: Vec<u64> = reap_now(b.as_mut()).iter().map(|c| c.tag).collect();
+    tags.sort();
+    assert_eq!(tags, vec![1, 2]);
+    // A request left unreaped does not hold up the drop.
+    b.queue(&req(4, Op::Read, 0, 4096, &ios[2])).unwrap();
+    drop(b);
+}
+
+#[test]
+fn ext4_still_goes_through_io_uring() {
+    let dir = Path::new("/var/tmp");
+    if fs_magic(dir) != Some(0xef53) {
+        println!("note: /var/tmp is not ext2/3/4; not checked");
+        return;
+    }
+    let t = Temp::file_in(dir, "uring", 65536);
+    let mut b = one(&t.path, 4);
+    let fd = b.completion_fd().unwrap();
+    let mut g = Guest::new();
+    let at = g.alloc(4096, 0);
+    b.queue(&req(1, Op::Read, 0, 4096, &g.io(&[(at, 4096)]))).unwrap();
+    b.submit();
+    assert!(readable(fd, 5000), "the completion wakes the fd");
+    assert_eq!(collect(b.as_mut(), 1), vec![Completion { tag: 1, result: 4096 }]);
+    assert_eq!(b.stats().submit_calls, 1, "submitted with io_uring_enter");
+}

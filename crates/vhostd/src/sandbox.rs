@@ -52,6 +52,9 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_writev,
     libc::SYS_pread64,
     libc::SYS_pwrite64,
+    // The file backend's reads and writes on tmpfs (run in the worker).
+    libc::SYS_preadv,
+    libc::SYS_pwritev,
     libc::SYS_close,
     libc::SYS_dup,
     libc::SYS_dup3,

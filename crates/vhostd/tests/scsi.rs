@@ -667,7 +667,31 @@ fn capacity_mode_pages_and_unit_lists_are_exact() {
 
 #[test]
 fn data_written_reads_back_and_is_in_the_image() {
-    let dir = Dir::new();
+    data_written_reads_back_in(Dir::new());
+}
+
+/// The same on tmpfs, where the file backend reads and writes in the
+/// worker thread (preadv/pwritev under the default seccomp filter).
+#[test]
+fn data_written_reads_back_on_tmpfs() {
+    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
+    // it for a valid C path.
+    let is_tmpfs = unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(c"/dev/shm".as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
+    };
+    if !is_tmpfs {
+        eprintln!("note: /dev/shm is not a tmpfs; skipping");
+        return;
+    }
+    let d = tempdir();
+    let _ = fs::remove_dir_all(&d);
+    let p = Path::new("/dev/shm").join(d.file_name().unwrap());
+    fs::create_dir_all(&p).unwrap();
+    data_written_reads_back_in(Dir(p));
+}
+
+fn data_written_reads_back_in(dir: Dir) {
     let size = 4u64 << 20;
     let img = dir.image("lun0.img", size);
     let d = start(&[file_lun(0, &img, ""), "5=null,size=64M".into()], &["--queues", "2"]);
