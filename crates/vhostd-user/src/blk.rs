@@ -19,7 +19,7 @@
 pub mod workload;
 
 use crate::queue::VirtQueue;
-use crate::{features, DeviceType, Error, VirtioUser};
+use crate::{features, DeviceType, Error, FrontendMemory, VirtioUser};
 use std::time::{Duration, Instant};
 use virtq_driver::{Buf, Used};
 
@@ -406,12 +406,32 @@ impl VirtioUser {
         if index as u64 >= self.max_queues {
             return Err(Error::Unsupported(format!("request queue {index} (backend has {} queues)", self.max_queues)));
         }
+        let cfg = self.blk_config.unwrap_or_default();
+        let bq = BlkQueue::create_in(&mut self.mem, self.features, &cfg, index, depth, max_data, size)?;
+        self.start_queue(&bq.queue)?;
+        Ok(bq)
+    }
+}
+
+impl BlkQueue {
+    /// The request queue `index` of a blk device with `features`
+    /// negotiated and config `cfg`, laid out in `mem` (ring, control
+    /// blocks, data), as `VirtioUser::blk_queue_sized` describes; not
+    /// started: that is the transport's part.
+    pub(crate) fn create_in(
+        mem: &mut FrontendMemory,
+        features: u64,
+        cfg: &BlkConfig,
+        index: u16,
+        depth: u16,
+        max_data: u32,
+        size: Option<u16>,
+    ) -> Result<BlkQueue, Error> {
         if depth == 0 {
             return Err(Error::Config("queue depth must not be zero".into()));
         }
         let max_data = max_data.max(ID_LEN as u32);
-        let cfg = self.blk_config.unwrap_or_default();
-        let f = self.features;
+        let f = features;
         let seg_size =
             if f & features::BLK_SIZE_MAX != 0 && cfg.size_max >= 512 { cfg.size_max.min(max_data) } else { max_data };
         let segs = max_data.div_ceil(seg_size);
@@ -439,9 +459,9 @@ impl VirtioUser {
             }
         };
         let stride = (max_data as u64).div_ceil(4096) * 4096;
-        let ctrl_gpa = self.mem.alloc(depth as u64 * CTRL_STRIDE, 64)?;
-        let data_gpa = self.mem.alloc(depth as u64 * stride, 4096)?;
-        let queue = self.create_queue(index as usize, size, None)?;
+        let ctrl_gpa = mem.alloc(depth as u64 * CTRL_STRIDE, 64)?;
+        let data_gpa = mem.alloc(depth as u64 * stride, 4096)?;
+        let queue = crate::create_queue_in(mem, f, index as usize, size, None)?;
         let mem = queue.ring.memory();
         let outside = || Error::Config("blk buffers outside guest memory".into());
         let ctrl = mem.host(ctrl_gpa, depth as u64 * CTRL_STRIDE).ok_or_else(outside)?;
@@ -481,7 +501,6 @@ impl VirtioUser {
             max_done_seq: 0,
             reordered: 0,
         };
-        self.start_queue(&bq.queue)?;
         Ok(bq)
     }
 }

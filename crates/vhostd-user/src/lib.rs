@@ -54,6 +54,7 @@ pub mod memory;
 pub mod net;
 pub mod queue;
 pub mod scsi;
+pub mod vfio;
 
 pub use blk::{BlkConfig, BlkOp, BlkQueue};
 pub use memory::FrontendMemory;
@@ -666,27 +667,7 @@ impl VirtioUser {
     /// it, then `start_queue`. `indirect_max` adds an indirect-table pool.
     /// Split rings need a power-of-two size; packed rings any size up to 32768.
     pub fn create_queue(&mut self, index: usize, size: u16, indirect_max: Option<u16>) -> Result<VirtQueue, Error> {
-        let packed = self.packed();
-        if size == 0 || size > virtq::ring::MAX_QUEUE_SIZE || (!packed && !size.is_power_of_two()) {
-            return Err(Error::Config(format!(
-                "queue size {size} is not {} in 1..=32768",
-                if packed { "a size" } else { "a power of two" }
-            )));
-        }
-        let mut ring = if packed {
-            let gpa = self.mem.alloc(RingLayout::packed_footprint(size), 4096)?;
-            let layout = RingLayout::packed_at(gpa, size);
-            DriverRing::Packed(PackedDriver::new(self.mem.driver_memory().clone(), layout, self.features)?)
-        } else {
-            let gpa = self.mem.alloc(RingLayout::footprint(size), 4096)?;
-            let layout = RingLayout::at(gpa, size);
-            DriverRing::Split(SplitDriver::new(self.mem.driver_memory().clone(), layout, self.features)?)
-        };
-        if let Some(max) = indirect_max {
-            let pool = self.mem.alloc(size as u64 * max as u64 * 16, 64)?;
-            ring.set_indirect_pool(pool, max)?;
-        }
-        VirtQueue::new(index, ring)
+        create_queue_in(&mut self.mem, self.features, index, size, indirect_max)
     }
 
     /// SET_VRING_NUM/BASE/ADDR/KICK/CALL (and SET_VRING_ENABLE when protocol
@@ -836,4 +817,36 @@ impl VirtioUser {
         }
         Ok(out)
     }
+}
+
+/// `VirtioUser::create_queue` for any transport: the rings of queue
+/// `index` in `mem`, laid out as `features` say (split or packed).
+pub(crate) fn create_queue_in(
+    mem: &mut FrontendMemory,
+    features: u64,
+    index: usize,
+    size: u16,
+    indirect_max: Option<u16>,
+) -> Result<VirtQueue, Error> {
+    let packed = features & features::RING_PACKED != 0;
+    if size == 0 || size > virtq::ring::MAX_QUEUE_SIZE || (!packed && !size.is_power_of_two()) {
+        return Err(Error::Config(format!(
+            "queue size {size} is not {} in 1..=32768",
+            if packed { "a size" } else { "a power of two" }
+        )));
+    }
+    let mut ring = if packed {
+        let gpa = mem.alloc(RingLayout::packed_footprint(size), 4096)?;
+        let layout = RingLayout::packed_at(gpa, size);
+        DriverRing::Packed(PackedDriver::new(mem.driver_memory().clone(), layout, features)?)
+    } else {
+        let gpa = mem.alloc(RingLayout::footprint(size), 4096)?;
+        let layout = RingLayout::at(gpa, size);
+        DriverRing::Split(SplitDriver::new(mem.driver_memory().clone(), layout, features)?)
+    };
+    if let Some(max) = indirect_max {
+        let pool = mem.alloc(size as u64 * max as u64 * 16, 64)?;
+        ring.set_indirect_pool(pool, max)?;
+    }
+    VirtQueue::new(index, ring)
 }

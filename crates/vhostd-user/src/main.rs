@@ -104,9 +104,15 @@ enum BlkMode {
 
 #[derive(clap::Args)]
 struct BlkArgs {
-    /// The backend's vhost-user socket.
+    /// The backend's vhost-user socket (vfio-user: the device's socket).
     #[arg(long)]
     socket_path: PathBuf,
+    /// vhost-user, or vfio-user (blk only): act as the VMM and the guest's
+    /// virtio-pci driver of a vfio-user device (DMA_MAP, the common config
+    /// through REGION_WRITEs, MSI-X eventfds, doorbells stored into the
+    /// mapped page when offered, else REGION_WRITEs).
+    #[arg(long, value_enum, default_value_t = Transport::VhostUser)]
+    transport: Transport,
     /// What to do.
     #[arg(long, value_enum)]
     mode: BlkMode,
@@ -171,6 +177,12 @@ enum Mode {
     /// Send frames as in txonly and count frames received as in rxonly,
     /// on every pair (a loopback backend makes each frame a round trip).
     Txrx,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Transport {
+    VhostUser,
+    VfioUser,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -681,7 +693,59 @@ fn io_end(dev: VirtioUser) {
     }
 }
 
+/// `run_blk` over vfio-user: the same queues and workload engine, set up
+/// through the virtio-pci registers.
+fn run_blk_vfio(a: &BlkArgs) -> Result<workload::Report, String> {
+    if a.dirty_log.on() {
+        return Err("--dirty-log is vhost-user only".into());
+    }
+    let mut opts = vhostd_user::vfio::VfioOptions::blk();
+    opts.mem_size = match a.mem_mb {
+        Some(m) => m << 20,
+        None => blk::memory_needed(a.queues, a.iodepth, a.bs),
+    };
+    if !a.event_idx.on() {
+        opts.features &= !features::EVENT_IDX;
+    }
+    if a.packed.on() {
+        opts.features |= features::RING_PACKED;
+    }
+    let timeout = Duration::from_secs_f64(a.connect_timeout);
+    let mut dev = vhostd_user::vfio::VfioBlk::connect(&a.socket_path, &opts, timeout).map_err(|e| e.to_string())?;
+    let f = dev.features();
+    if a.packed.on() && f & features::RING_PACKED == 0 {
+        return Err("--packed on: the device does not offer VIRTIO_F_RING_PACKED".into());
+    }
+    let cfg = dev.blk_config();
+    eprintln!(
+        "vhostd-user: vfio-user {}: features {:#x} (offered {:#x}), {} queues, doorbells {}, {} rings; capacity {} sectors",
+        a.socket_path.display(),
+        f,
+        dev.offered_features(),
+        dev.num_queues(),
+        if dev.doorbells_mapped() { "mapped" } else { "REGION_WRITE" },
+        if f & features::RING_PACKED != 0 { "packed" } else { "split" },
+        cfg.capacity
+    );
+    let mut queues = Vec::with_capacity(a.queues as usize);
+    for i in 0..a.queues {
+        queues.push(dev.blk_queue(i, a.iodepth, a.bs).map_err(|e| format!("queue {i}: {e}"))?);
+    }
+    dev.driver_ok().map_err(|e| e.to_string())?;
+    if let Some(cpu) = a.cpu {
+        pin_to(cpu)?;
+    }
+    let report = workload::run(&mut queues, cfg.capacity, &io_workload(a), Some(&STOP)).map_err(|e| e.to_string())?;
+    if let Err(e) = dev.disconnect() {
+        eprintln!("vhostd-user: warning: reset at the end: {e}");
+    }
+    Ok(report)
+}
+
 fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
+    if a.transport == Transport::VfioUser {
+        return run_blk_vfio(a);
+    }
     let opts = io_options(a, Options::blk(&a.socket_path), blk::memory_needed(a.queues, a.iodepth, a.bs));
     let mut dev = connect_retry(opts, a.connect_timeout)?;
     let f = dev.features();
@@ -719,6 +783,9 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
 
 fn run_scsi(s: &ScsiArgs) -> Result<workload::Report, String> {
     let a = &s.io;
+    if a.transport != Transport::VhostUser {
+        return Err("--transport vfio-user: blk only".into());
+    }
     let indirect = s.indirect()?;
     let mut opts = io_options(a, Options::scsi(&a.socket_path), scsi::memory_needed(a.queues, a.iodepth, a.bs));
     if indirect {

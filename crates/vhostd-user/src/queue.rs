@@ -8,6 +8,14 @@ use std::time::Duration;
 use virtq_driver::DriverRing;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+/// How a queue tells the device it has work, when that is not its kick
+/// eventfd (vhost-user's): vfio-user writes a doorbell register, by a
+/// store into a mapped page or by a REGION_WRITE message.
+pub trait Notifier: Send {
+    /// Rings the doorbell once.
+    fn notify(&mut self) -> Result<(), Error>;
+}
+
 /// A virtqueue: ring, kick eventfd (we write, the backend waits) and call
 /// eventfd (the backend writes, we wait).
 pub struct VirtQueue {
@@ -16,6 +24,8 @@ pub struct VirtQueue {
     /// arbitrary descriptors and indexes.
     pub ring: DriverRing,
     kick: EventFd,
+    /// Rings the doorbell instead of `kick` when set.
+    notifier: Option<Box<dyn Notifier>>,
     call: EventFd,
     /// Kicks actually sent.
     pub kicks_sent: u64,
@@ -28,6 +38,7 @@ impl VirtQueue {
             index,
             ring,
             kick: EventFd::new(EFD_NONBLOCK).map_err(Error::Io)?,
+            notifier: None,
             call: EventFd::new(EFD_NONBLOCK).map_err(Error::Io)?,
             kicks_sent: 0,
         })
@@ -48,10 +59,19 @@ impl VirtQueue {
         &self.call
     }
 
+    /// Kicks through `n` from now on instead of the kick eventfd (the
+    /// transport's doorbell).
+    pub fn set_notifier(&mut self, n: Box<dyn Notifier>) {
+        self.notifier = Some(n);
+    }
+
     /// Kicks the backend unconditionally.
     pub fn kick(&mut self) -> Result<(), Error> {
         self.kicks_sent += 1;
-        self.kick.write(1).map_err(Error::Io)
+        match &mut self.notifier {
+            Some(n) => n.notify(),
+            None => self.kick.write(1).map_err(Error::Io),
+        }
     }
 
     /// Publishes avail.idx and kicks if the backend's suppression state asks
