@@ -40,6 +40,20 @@
 //! println!("response {} status {}: {:?}", r.resp.response, r.resp.status, &r.data[8..16]);
 //! ```
 //!
+//! A vfio-user device (vhostd `--transport vfio-user`) is driven by
+//! `vfio::VfioBlk`, which plays the VMM and the guest's virtio-pci driver
+//! and hands out the same `BlkQueue`s:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use vhostd_user::vfio::{VfioBlk, VfioOptions};
+//! let mut dev = VfioBlk::connect("/tmp/vfio.sock".as_ref(), &VfioOptions::blk(), Duration::from_secs(5)).unwrap();
+//! let mut q = dev.blk_queue(0, 32, 4096).unwrap();
+//! dev.driver_ok().unwrap();
+//! let (status, _) = q.run_one(vhostd_user::blk::BlkOp::Read { sector: 0, len: 4096 }).unwrap();
+//! println!("read 0: status {status}");
+//! ```
+//!
 //! A backend that tracks requests in flight (INFLIGHT_SHMFD) can be killed
 //! and started again under load: `get_inflight_fd` before the rings start,
 //! then `reconnect` and `restart_queue`, as QEMU does with `reconnect=1`.
