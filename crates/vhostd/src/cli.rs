@@ -418,7 +418,7 @@ impl DeviceArgs {
             DeviceArgs::Blk(a) => (a.transport, a.client),
             DeviceArgs::Scsi(a) => (a.transport, a.client),
         };
-        transport_check(self.kind(), transport, client)?;
+        transport_check(transport, client)?;
         match self {
             DeviceArgs::Net(net) => net_check(net),
             DeviceArgs::Blk(_) => Ok(()),
@@ -427,16 +427,11 @@ impl DeviceArgs {
     }
 }
 
-/// --transport vfio-user serves blk and net so far, and as a listener
-/// (the VMM is the vfio-user client).
-fn transport_check(kind: &str, transport: Option<TransportArg>, client: bool) -> Result<(), String> {
+/// --transport vfio-user serves as a listener only (the VMM is the
+/// vfio-user client).
+fn transport_check(transport: Option<TransportArg>, client: bool) -> Result<(), String> {
     if transport != Some(TransportArg::VfioUser) {
         return Ok(());
-    }
-    if kind == "scsi" {
-        return Err(format!(
-            "--transport vfio-user: `vhostd blk` and `vhostd net` serve vfio-user so far; `vhostd {kind}` is vhost-user only"
-        ));
     }
     if client {
         return Err(
@@ -724,7 +719,7 @@ pub struct NetArgs {
     pub client: bool,
     /// The protocol on the socket: vhost-user (the VMM keeps the virtio
     /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
-    /// virtio-pci device; QEMU's vfio-user-pci; blk and net so far).
+    /// virtio-pci device; QEMU's vfio-user-pci).
     /// [default: vhost-user]
     #[arg(long, value_enum, value_name = "PROTOCOL")]
     pub transport: Option<TransportArg>,
@@ -789,7 +784,7 @@ pub struct BlkArgs {
     pub client: bool,
     /// The protocol on the socket: vhost-user (the VMM keeps the virtio
     /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
-    /// virtio-pci device; QEMU's vfio-user-pci; blk and net so far).
+    /// virtio-pci device; QEMU's vfio-user-pci).
     /// [default: vhost-user]
     #[arg(long, value_enum, value_name = "PROTOCOL")]
     pub transport: Option<TransportArg>,
@@ -852,7 +847,7 @@ pub struct ScsiArgs {
     pub client: bool,
     /// The protocol on the socket: vhost-user (the VMM keeps the virtio
     /// device; QEMU's vhost-user-*-pci) or vfio-user (vhostd is the whole
-    /// virtio-pci device; QEMU's vfio-user-pci; blk and net so far).
+    /// virtio-pci device; QEMU's vfio-user-pci).
     /// [default: vhost-user]
     #[arg(long, value_enum, value_name = "PROTOCOL")]
     pub transport: Option<TransportArg>,
@@ -1162,9 +1157,9 @@ pub fn parse() -> Cli {
     }
     let cli = Cli::parse_from(&argv);
     let check = match &cli.command {
-        Some(Command::Net(a)) => net_check(a).and(transport_check("net", a.transport, a.client)),
-        Some(Command::Blk(a)) => transport_check("blk", a.transport, a.client),
-        Some(Command::Scsi(a)) => scsi_check(a).and(transport_check("scsi", a.transport, a.client)),
+        Some(Command::Net(a)) => net_check(a).and(transport_check(a.transport, a.client)),
+        Some(Command::Blk(a)) => transport_check(a.transport, a.client),
+        Some(Command::Scsi(a)) => scsi_check(a).and(transport_check(a.transport, a.client)),
         _ => Ok(()),
     };
     if let Err(e) = check {

@@ -389,6 +389,14 @@ backend = "null,size=1G"
             }
             other => panic!("not scsi: {other:?}"),
         }
+        assert_eq!(d.transport, crate::spec::Transport::VhostUser);
+        // Over vfio-user too, as blk and net.
+        let c = parse(
+            Path::new("c.toml"),
+            "[[scsi]]\nsocket-path = \"/tmp/s.sock\"\ntransport = \"vfio-user\"\nlun = [\"0=null,size=1M\"]\n",
+        )
+        .unwrap();
+        assert_eq!(c.devices[0].transport, crate::spec::Transport::VfioUser);
         let e = err("[[scsi]]\nsocket-path = \"/tmp/s\"\nlun = [\"0=null,size=1M\", \"0=null,size=2M\"]\n");
         assert!(e.contains("[[scsi]] `scsi0`") && e.contains("LUN 0 is given twice"), "{e}");
         let e = err("[[scsi]]\nsocket-path = \"/tmp/s\"\nlun = [0]\n");

@@ -643,14 +643,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         // Every ring is stopped: the table changes its log under none.
         self.mem = Arc::new(self.mem.with_log(self.wanted_log()));
-        let more = self.dev.device.describe_features(features);
-        tracing::info!(
-            "features acked: {features:#x} ({} ring{}{}{})",
-            if features & ring_features::RING_PACKED != 0 { "packed" } else { "split" },
-            if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
-            if more.is_empty() { "" } else { ", " },
-            more,
-        );
+        tracing::info!("features acked: {}", describe_acked(features, self.dev.device.as_ref()));
         for i in running {
             // A ring that cannot run under the new features stays stopped.
             let _ = self.start_ring(i);
@@ -960,4 +953,18 @@ impl VhostUserBackendReqHandlerMut for Session {
         self.log = Some((Arc::new(dirty), id));
         self.apply_log()
     }
+}
+
+/// Acked features as the log shows them (both transports): the hex value,
+/// then the ring layout and what the device makes of them, e.g.
+/// `0x... (packed ring, hotplug)`.
+pub(crate) fn describe_acked(features: u64, device: &dyn vhostd_device::Device) -> String {
+    let more = device.describe_features(features);
+    format!(
+        "{features:#x} ({} ring{}{}{})",
+        if features & ring_features::RING_PACKED != 0 { "packed" } else { "split" },
+        if features & ring_features::IN_ORDER != 0 { ", in-order" } else { "" },
+        if more.is_empty() { "" } else { ", " },
+        more,
+    )
 }

@@ -207,7 +207,10 @@ impl Dev {
                 Effect::FeaturesOk(f) => {
                     self.features = f;
                     self.served.device.set_features(f);
-                    tracing::info!("features acked: {f:#x}");
+                    tracing::info!(
+                        "features acked: {}",
+                        crate::session::describe_acked(f, self.served.device.as_ref())
+                    );
                 }
                 Effect::DriverOk => {
                     for i in 0..self.queue_count() {

@@ -3,7 +3,9 @@
 //! device it shows, a request through a split ring (doorbell in, MSI-X
 //! eventfd out), what a hostile client gets back (exact errnos), DMA
 //! unmaps under a running ring, reset, the next client, poll mode's mapped
-//! doorbells, and the CLI's refusals.
+//! doorbells, and the CLI's refusals; `vhostd scsi --transport vfio-user`:
+//! its PCI identity, vectors and config, and hotplug events through the
+//! event queue and its MSI-X vector.
 //!
 //! Every daemon is killed on drop (failures included); every wait is
 //! bounded.
@@ -295,7 +297,7 @@ fn poll_mode_offers_the_doorbell_page_to_map() {
 }
 
 #[test]
-fn vfio_user_is_refused_where_it_does_not_serve_yet() {
+fn vfio_user_with_client_is_refused() {
     let dir = tempdir();
     let sock = dir.join("s.sock");
     let run = |args: &[&str]| {
@@ -303,12 +305,129 @@ fn vfio_user_is_refused_where_it_does_not_serve_yet() {
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let s = sock.display().to_string();
-    let (code, err) = run(&["scsi", "--transport", "vfio-user", "--socket-path", &s, "--lun", "0=null,size=1M"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--transport vfio-user"), "{err}");
-    let (code, err) =
-        run(&["blk", "--transport", "vfio-user", "--client", "--socket-path", &s, "--backend", "null,size=1M"]);
-    assert_eq!(code, Some(2), "{err}");
-    assert!(err.contains("--client"), "{err}");
+    for args in [
+        &["blk", "--transport", "vfio-user", "--client", "--socket-path", &s, "--backend", "null,size=1M"][..],
+        &["scsi", "--transport", "vfio-user", "--client", "--socket-path", &s, "--lun", "0=null,size=1M"][..],
+    ] {
+        let (code, err) = run(args);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("--client"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `vhostd scsi --transport vfio-user --queues 2` with a control socket.
+fn start_scsi(ctl: &std::path::Path) -> Daemon {
+    let ctl = ctl.display().to_string();
+    Daemon::start_with(None, move |sock| {
+        let mut v: Vec<String> =
+            ["scsi", "--transport", "vfio-user", "--queues", "2", "--lun", "0=null,size=1M", "--control", &ctl]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        v.push("--socket-path".into());
+        v.push(sock.display().to_string());
+        v
+    })
+}
+
+fn ctl(ctl: &std::path::Path, args: &[&str]) {
+    let out = vhostd_in(None).args(["ctl", "--control", ctl.to_str().unwrap()]).args(args).output().unwrap();
+    assert!(out.status.success(), "vhostd ctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn shows_a_virtio_scsi_pci_device_with_a_vector_per_queue() {
+    let dir = tempdir();
+    let d = start_scsi(&dir.join("ctl"));
+    let mut c = client(&d);
+    let mut b = [0u8; 4];
+    c.region_read(CONFIG, 0, &mut b).unwrap();
+    assert_eq!(u32::from_le_bytes(b), 0x1048_1af4, "virtio 1.0 device 0x1040 + 8 (scsi)");
+    c.region_read(CONFIG, 8, &mut b).unwrap();
+    assert_eq!(u32::from_le_bytes(b), 0x0100_0001, "class mass storage / SCSI (as QEMU's virtio-scsi-pci), revision 1");
+    // Control, event, 2 request queues, and config.
+    assert_eq!(c.irq_info(MSIX).unwrap().count, 5);
+    assert_eq!(r(&mut c, 0x12, 2), 4, "num_queues in the common config");
+    // The device config is scsi's: num_queues, event_info_size, sense and
+    // CDB sizes, max_lun.
+    assert_eq!(r(&mut c, 0x2000, 4), 2);
+    assert_eq!(r(&mut c, 0x2000 + 16, 4), 16);
+    assert_eq!(r(&mut c, 0x2000 + 20, 4), 96);
+    assert_eq!(r(&mut c, 0x2000 + 24, 4), 32);
+    drop(c);
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn scsi_hotplug_events_reach_the_event_queue_and_its_vector() {
+    const HOTPLUG: u64 = 1 << 1;
+    let dir = tempdir();
+    let sock_ctl = dir.join("ctl");
+    let d = start_scsi(&sock_ctl);
+    let mut c = client(&d);
+    let m = Memory::new();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    // Vector 1 is the event queue's.
+    let none = EventFd::new(EFD_NONBLOCK).unwrap();
+    let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 2, &[], &[bfd(&none), bfd(&irq)])
+        .unwrap();
+    w(&mut c, 0x14, 0, 1);
+    w(&mut c, 0x14, 3, 1);
+    w(&mut c, 0x08, 0, 4);
+    w(&mut c, 0x0c, HOTPLUG, 4);
+    w(&mut c, 0x08, 1, 4);
+    w(&mut c, 0x0c, 1, 4); // VERSION_1
+    w(&mut c, 0x14, 0xb, 1);
+    assert_eq!(r(&mut c, 0x14, 1), 0xb, "FEATURES_OK accepted");
+    // The event queue (1): 16 entries, two 16-byte event buffers posted.
+    w(&mut c, 0x16, 1, 2);
+    w(&mut c, 0x18, 16, 2);
+    w(&mut c, 0x20, DESC, 8);
+    w(&mut c, 0x28, AVAIL, 8);
+    w(&mut c, 0x30, USED, 8);
+    w(&mut c, 0x1a, 1, 2);
+    w(&mut c, 0x1c, 1, 2);
+    for i in 0..2u64 {
+        let mut desc = Vec::new();
+        desc.extend_from_slice(&(DATA + 16 * i).to_le_bytes());
+        desc.extend_from_slice(&16u32.to_le_bytes());
+        desc.extend_from_slice(&2u16.to_le_bytes()); // WRITE
+        desc.extend_from_slice(&0u16.to_le_bytes());
+        m.write(DESC + 16 * i, &desc);
+        m.write(AVAIL + 4 + 2 * i, &(i as u16).to_le_bytes());
+    }
+    m.write(AVAIL + 2, &2u16.to_le_bytes());
+    w(&mut c, 0x14, 0xf, 1); // DRIVER_OK
+
+    let used_idx = || u16::from_le_bytes(m.read(USED + 2, 2).try_into().unwrap());
+    let wait_used = |n: u16| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while used_idx() != n {
+            let left = deadline.saturating_duration_since(std::time::Instant::now()).as_millis() as i32;
+            assert!(left > 0 && wait_readable(irq.as_raw_fd(), left), "no event with its MSI-X interrupt within 10 s");
+            let _ = irq.read();
+        }
+    };
+    // event TRANSPORT_RESET (1), LUN 3 of target 0, reason RESCAN (1),
+    // then REMOVED (2).
+    let event = |reason: u32| {
+        let mut e = 1u32.to_le_bytes().to_vec();
+        e.extend_from_slice(&[1, 0, 0, 3, 0, 0, 0, 0]);
+        e.extend_from_slice(&reason.to_le_bytes());
+        e
+    };
+    ctl(&sock_ctl, &["add-lun", "scsi0", "3=null,size=1M"]);
+    wait_used(1);
+    assert_eq!(m.read(DATA, 16), event(1));
+    assert_eq!(m.read(USED + 4, 8), [0, 0, 0, 0, 16, 0, 0, 0], "buffer 0 used, 16 bytes");
+    ctl(&sock_ctl, &["remove-lun", "scsi0", "3"]);
+    wait_used(2);
+    assert_eq!(m.read(DATA + 16, 16), event(2));
+    drop(c);
+    let stats = d.stop();
+    assert_eq!(stats.queue(1, "events"), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
