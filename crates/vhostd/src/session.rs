@@ -270,11 +270,52 @@ fn err(msg: &'static str) -> VuError {
     VuError::InvalidOperation(msg)
 }
 
-fn to_eventfd(f: Option<File>) -> Option<EventFd> {
-    use std::os::unix::io::{FromRawFd, IntoRawFd};
-    // SAFETY: the File owns a valid descriptor which we hand over to the
-    // EventFd; nothing else keeps it.
-    f.map(|f| unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
+/// A descriptor a peer sent to be an eventfd (a kick, call or error
+/// eventfd over vhost-user; an MSI-X trigger over vfio-user), checked:
+/// an anonymous inode (what eventfd, epoll and timerfd are; a write to any
+/// but an eventfd fails at once), made non-blocking. A pipe nobody reads,
+/// or an eventfd at its maximum count in blocking mode, would otherwise
+/// block the worker or the frontends thread that writes it, and with it
+/// every device there. The flag is on the peer's open file too; QEMU and
+/// DPDK make theirs non-blocking anyway.
+pub(crate) fn eventfd_from_peer(fd: std::os::fd::OwnedFd) -> std::io::Result<EventFd> {
+    use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
+    let raw = fd.as_raw_fd();
+    // SAFETY: a plain C struct, valid zeroed.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into `st`, ours; `raw` is open (owned by `fd`).
+    if unsafe { libc::fstat(raw, &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if st.st_mode & libc::S_IFMT != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("not an eventfd (file type {:#o})", st.st_mode & libc::S_IFMT),
+        ));
+    }
+    // SAFETY: F_GETFL on a descriptor we own; no pointers.
+    let flags = unsafe { libc::fcntl(raw, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: F_SETFL on a descriptor we own; no pointers.
+    if unsafe { libc::fcntl(raw, libc::F_SETFL, flags | libc::O_NONBLOCK) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` owned a valid descriptor, handed over whole to the EventFd.
+    Ok(unsafe { EventFd::from_raw_fd(fd.into_raw_fd()) })
+}
+
+/// `eventfd_from_peer` for a vhost-user message's descriptor.
+fn to_eventfd(f: Option<File>) -> VuResult<Option<EventFd>> {
+    match f.map(|f| eventfd_from_peer(f.into())) {
+        None => Ok(None),
+        Some(Ok(e)) => Ok(Some(e)),
+        Some(Err(e)) => {
+            tracing::warn!("a vring descriptor: {e}");
+            Err(err("a vring descriptor that is not an eventfd"))
+        }
+    }
 }
 
 impl Session {
@@ -753,7 +794,7 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         self.check_index(index as u32)?;
-        let kick = to_eventfd(fd);
+        let kick = to_eventfd(fd)?;
         self.with_ring_stopped(index as usize, |v| {
             v.kick = kick;
             v.started = true;
@@ -762,13 +803,13 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         self.check_index(index as u32)?;
-        let call = to_eventfd(fd);
+        let call = to_eventfd(fd)?;
         self.with_ring_stopped(index as usize, |v| v.call = call)
     }
 
     fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         self.check_index(index as u32)?;
-        let e = to_eventfd(fd);
+        let e = to_eventfd(fd)?;
         self.with_ring_stopped(index as usize, |v| v.err = e)
     }
 

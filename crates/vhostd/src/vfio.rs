@@ -100,7 +100,10 @@ impl VfioConn {
     /// Serves a new connection to `served` on `stream`.
     pub fn new(stream: UnixStream, served: &Arc<Served>) -> io::Result<VfioConn> {
         stream.set_nonblocking(true)?;
-        let server = Server::new(stream, ServerConfig::default())?;
+        // No more maps than guest memory holds regions: a refused map after
+        // start-up is fatal to QEMU, so it must know the limit.
+        let config = ServerConfig { max_dma_maps: virtq::MAX_REGIONS as u32, ..ServerConfig::default() };
+        let server = Server::new(stream, config)?;
         let bar0_fd = if served.pool.mode == Mode::Poll { Some(bar0_memory()?) } else { None };
         let pci = VirtioPci::new(served.device.clone());
         let nq = served.device.queues() as usize;
@@ -413,6 +416,10 @@ impl VfioDevice for Dev {
     }
 
     fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> Result<(), Errno> {
+        if data.is_empty() {
+            // Writes nothing: no register changes, no doorbell rings.
+            return Ok(());
+        }
         match index {
             BAR0 | BAR1 => {
                 let fx = self.pci.bar_write(index, offset, data);
@@ -440,10 +447,18 @@ impl VfioDevice for Dev {
                 }
             }
             (IrqAction::Trigger, IrqData::Eventfds(fds)) => {
-                for (k, fd) in fds.into_iter().enumerate() {
-                    // SAFETY: the client sent this descriptor; we own it and
-                    // use it only as an eventfd (a write of 8 bytes).
-                    let e = unsafe { <EventFd as std::os::fd::FromRawFd>::from_raw_fd(fd_into_raw(fd)) };
+                // All checked before any is taken: a refused SET_IRQS changes nothing.
+                let mut checked = Vec::with_capacity(fds.len());
+                for fd in fds {
+                    match crate::session::eventfd_from_peer(fd) {
+                        Ok(e) => checked.push(e),
+                        Err(e) => {
+                            tracing::warn!("SET_IRQS refused: an MSI-X descriptor: {e}");
+                            return Err(Errno::EINVAL);
+                        }
+                    }
+                }
+                for (k, e) in checked.into_iter().enumerate() {
                     self.msix[start + k] = Some(e);
                     changed.push(start + k);
                 }
@@ -499,7 +514,10 @@ impl VfioDevice for Dev {
         })?;
         let mem = self.mem.with_region(region).map_err(|e| {
             tracing::warn!("DMA_MAP at {:#x}: {e}", map.iova);
-            Errno::EEXIST
+            match e {
+                virtq::MemoryError::TooManyRegions => Errno::ENOSPC,
+                _ => Errno::EEXIST,
+            }
         })?;
         tracing::debug!(iova = map.iova, size = map.size, "DMA map");
         self.replace_memory(mem);
@@ -524,8 +542,4 @@ impl VfioDevice for Dev {
         self.reset_all();
         Ok(())
     }
-}
-
-fn fd_into_raw(fd: OwnedFd) -> std::os::fd::RawFd {
-    std::os::fd::IntoRawFd::into_raw_fd(fd)
 }

@@ -819,6 +819,45 @@ fn missing_file_descriptors() {
 }
 
 #[test]
+fn ring_descriptors_that_are_not_eventfds_are_refused() {
+    // A pipe nobody reads, or a memfd, as a kick, call or error eventfd: a
+    // write to it could block the worker (or never be seen). Refused, and
+    // the connection lives on.
+    let d = net_daemon();
+    let w = Watch::new(&d);
+    let mut r = Raw::net(&d);
+    let mut pipe = [0; 2];
+    // SAFETY: pipe() writes two descriptors into the array.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    let mem = memfd(4096);
+    for (what, code) in
+        [("SET_VRING_KICK", SET_VRING_KICK), ("SET_VRING_CALL", SET_VRING_CALL), ("SET_VRING_ERR", SET_VRING_ERR)]
+    {
+        for (kind, fd) in [("a pipe", pipe[1]), ("a memfd", mem.as_raw_fd())] {
+            r.send_fds(code, NEED_REPLY, &u64b(0), &[fd]);
+            r.expect_ack(code, 1, &format!("{what} with {kind}"));
+        }
+    }
+    r.expect_alive(NET_OFFERED, "after refused ring descriptors");
+    // A real eventfd is taken, and made non-blocking (the flag is on the
+    // open file both ends share).
+    let e = eventfd();
+    // SAFETY: F_GETFL on our own descriptor.
+    let flags = || unsafe { libc::fcntl(e.as_raw_fd(), libc::F_GETFL) };
+    assert_eq!(flags() & libc::O_NONBLOCK, 0, "the test's eventfd starts blocking");
+    r.send_fds(SET_VRING_CALL, NEED_REPLY, &u64b(0), &[e.as_raw_fd()]);
+    r.expect_ack(SET_VRING_CALL, 0, "SET_VRING_CALL with an eventfd");
+    assert_ne!(flags() & libc::O_NONBLOCK, 0, "vhostd makes a call eventfd non-blocking");
+    // SAFETY: closing the pipe's two descriptors, ours.
+    unsafe {
+        libc::close(pipe[0]);
+        libc::close(pipe[1]);
+    }
+    drop(r);
+    net_serves_next(d, &w);
+}
+
+#[test]
 fn bad_dirty_logs_close_the_connection() {
     // QEMU waits for SET_LOG_BASE's reply, which comes only once the log is
     // mapped: a log that cannot be used leaves closing as the answer.

@@ -265,6 +265,19 @@ fn a_hostile_client_gets_exact_errors_and_the_connection_lives_on() {
     assert_eq!(errno(c.set_irqs(0, trig, 0, 1, &[], &[bfd(&irq)])), Errno::EINVAL, "no INTx");
     let mask = wire::IRQ_SET_DATA_NONE | wire::IRQ_SET_ACTION_MASK;
     assert_eq!(errno(c.set_irqs(MSIX, mask, 0, 1, &[], &[])), Errno::EINVAL, "MSI-X is not maskable here");
+    // A trigger that is not an eventfd (a pipe nobody reads would block
+    // the thread that signals it): refused, with nothing taken.
+    let (pipe_r, pipe_w) = std::io::pipe().unwrap();
+    let pipe_fd = pipe_w.as_fd();
+    assert_eq!(errno(c.set_irqs(MSIX, trig, 0, 2, &[], &[bfd(&irq), pipe_fd])), Errno::EINVAL, "a pipe as MSI-X");
+    drop((pipe_r, pipe_w));
+    // A blocking eventfd is taken and made non-blocking.
+    let blocking = EventFd::new(0).unwrap();
+    // SAFETY: F_GETFL on our own descriptor.
+    let nonblock = |e: &EventFd| unsafe { libc::fcntl(e.as_raw_fd(), libc::F_GETFL) } & libc::O_NONBLOCK != 0;
+    assert!(!nonblock(&blocking));
+    c.set_irqs(MSIX, trig, 0, 1, &[], &[bfd(&blocking)]).unwrap();
+    assert!(nonblock(&blocking), "vhostd makes an MSI-X eventfd non-blocking");
     // Overlapping DMA maps, and unmaps that match nothing.
     c.dma_map(0x10_0000, MEM, 0, rw, Some(m.fd.as_fd())).unwrap();
     assert_eq!(errno(c.dma_map(0x18_0000, MEM, 0, rw, Some(m.fd.as_fd()))), Errno::EEXIST);
