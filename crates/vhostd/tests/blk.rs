@@ -1167,14 +1167,7 @@ fn backend_errors_when_the_image_shrinks_underneath() {
 #[test]
 fn write_zeroes_on_tmpfs() {
     let shm = Path::new("/dev/shm");
-    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
-    // it for a valid C path.
-    let is_tmpfs = unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c"/dev/shm".as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
-    };
-    if !is_tmpfs {
-        eprintln!("note: /dev/shm is not a tmpfs; skipping");
+    if !shm_is_tmpfs() {
         return;
     }
     let dir = Scratch::under(shm);
@@ -1216,14 +1209,7 @@ fn write_zeroes_on_tmpfs() {
 /// event for them, answers every request.
 #[test]
 fn reads_and_writes_on_tmpfs() {
-    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
-    // it for a valid C path.
-    let is_tmpfs = unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c"/dev/shm".as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
-    };
-    if !is_tmpfs {
-        eprintln!("note: /dev/shm is not a tmpfs; skipping");
+    if !shm_is_tmpfs() {
         return;
     }
     let dir = Scratch::under(Path::new("/dev/shm"));

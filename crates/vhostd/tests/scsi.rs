@@ -674,14 +674,7 @@ fn data_written_reads_back_and_is_in_the_image() {
 /// worker thread (preadv/pwritev under the default seccomp filter).
 #[test]
 fn data_written_reads_back_on_tmpfs() {
-    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
-    // it for a valid C path.
-    let is_tmpfs = unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c"/dev/shm".as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
-    };
-    if !is_tmpfs {
-        eprintln!("note: /dev/shm is not a tmpfs; skipping");
+    if !shm_is_tmpfs() {
         return;
     }
     let d = tempdir();

@@ -529,6 +529,21 @@ pub fn needs_root(what: &str) -> bool {
     false
 }
 
+/// True when /dev/shm is a tmpfs (the file backend then reads and writes
+/// in the worker); false, after a note, when the test must skip.
+pub fn shm_is_tmpfs() -> bool {
+    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
+    // it for a valid C path.
+    let is_tmpfs = unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(c"/dev/shm".as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
+    };
+    if !is_tmpfs {
+        eprintln!("note: /dev/shm is not a tmpfs; skipping");
+    }
+    is_tmpfs
+}
+
 /// A disk that hangs: a FUSE file system (tests/hanging_fs.py) holding one
 /// file, `disk` (zeros at first, kept in the file system's memory), whose
 /// reads and writes wait while it is held (`hold`), as on an NFS mount
