@@ -165,10 +165,12 @@ vhostd_total() {
 # GUEST_ARGS is appended to the kernel command line. With QEMU_NETNS set,
 # QEMU runs in that network namespace (its own -netdev then sees the
 # namespace's interfaces); QEMU_CONSOLE names another console file, and
-# QEMU_ERR another stderr file.
+# QEMU_ERR another stderr file. With QEMU_REBOOT=1 a guest's reboot
+# resets the machine (otherwise QEMU exits on it).
 start_qemu() {
     local scenario=$1 timeout=$2; shift 2
-    local ns=() console=${QEMU_CONSOLE:-$WORK/console.log}
+    local ns=() console=${QEMU_CONSOLE:-$WORK/console.log} reboot=-no-reboot
+    [ "${QEMU_REBOOT:-0}" = 1 ] && reboot=
     [ -n "${QEMU_NETNS:-}" ] && ns=(ip netns exec "$QEMU_NETNS")
     : > "$console"
     timeout "$timeout" "${ns[@]}" "$QEMU" -name vhostd-test,debug-threads=on -accel tcg -m 256M -smp "${GUEST_SMP:-1}" \
@@ -176,7 +178,7 @@ start_qemu() {
         "$@" \
         -kernel "$GUEST_DIR/vmlinuz" -initrd "$GUEST_DIR/initramfs.cpio.gz" \
         -append "console=ttyS0 panic=-1 quiet vhostd.test=$scenario ${GUEST_ARGS:-}" \
-        -display none -serial "file:$console" -no-reboot -monitor none \
+        -display none -serial "file:$console" ${reboot:+"$reboot"} -monitor none \
         2> "${QEMU_ERR:-$WORK/qemu.err}" &
     QEMU_PID=$!
 }
