@@ -201,12 +201,19 @@ tp_port_stats() {
 }
 
 # tp_wait_rx_settled NAME SECONDS: polls port stats every 200 ms until RX and TX
-# stop moving (two equal readings); TP_RX/TP_TX then hold the settled values.
+# stop moving: unchanged for a whole second (5 readings), so a backend that
+# was off its CPU for a moment on a loaded machine, holding the last burst,
+# does not pass for settled. TP_RX/TP_TX then hold the settled values.
 tp_wait_rx_settled() {
-    local name=$1 limit=${2:-10} prx=-1 ptx=-1 end=$((SECONDS + ${2:-10}))
+    local name=$1 limit=${2:-10} prx=-1 ptx=-1 same=0 end=$((SECONDS + ${2:-10}))
     while [ "$SECONDS" -le "$end" ]; do
         tp_port_stats "$name" || return 1
-        [ "$TP_RX" = "$prx" ] && [ "$TP_TX" = "$ptx" ] && return 0
+        if [ "$TP_RX" = "$prx" ] && [ "$TP_TX" = "$ptx" ]; then
+            same=$((same + 1))
+            [ "$same" -ge 5 ] && return 0
+        else
+            same=0
+        fi
         prx=$TP_RX; ptx=$TP_TX
         sleep 0.2
     done
