@@ -425,7 +425,12 @@ impl VfioDevice for Dev {
                 let fx = self.pci.bar_write(index, offset, data);
                 self.apply(fx);
             }
-            CONFIG_REGION => self.pci.config_write(offset, data),
+            CONFIG_REGION => {
+                // The PCI cfg access window reaches the BARs: a status
+                // write or a doorbell through it acts as one on the BAR.
+                let fx = self.pci.config_write(offset, data);
+                self.apply(fx);
+            }
             _ => return Err(Errno::EINVAL),
         }
         Ok(())

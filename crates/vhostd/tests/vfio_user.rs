@@ -129,6 +129,12 @@ fn r(c: &mut Client, off: u64, len: usize) -> u64 {
 
 /// The driver's set-up of queue 0 (16 entries, vector 0) up to DRIVER_OK.
 fn driver_setup(c: &mut Client) {
+    driver_setup_until_enabled(c);
+    w(c, 0x14, 0xf, 1); // DRIVER_OK
+}
+
+/// The driver's set-up of queue 0 up to queue_enable (no DRIVER_OK yet).
+fn driver_setup_until_enabled(c: &mut Client) {
     w(c, 0x14, 0, 1); // reset
     w(c, 0x14, 3, 1); // ACKNOWLEDGE | DRIVER
     w(c, 0x08, 1, 4);
@@ -143,12 +149,18 @@ fn driver_setup(c: &mut Client) {
     w(c, 0x1a, 0, 2);
     assert_eq!(r(c, 0x1a, 2), 0, "vector 0 taken");
     w(c, 0x1c, 1, 2);
-    w(c, 0x14, 0xf, 1); // DRIVER_OK
 }
 
 /// Posts a GET_ID request as avail entry `n` (a chain of header, 20-byte
 /// data, status), rings the doorbell and waits for the interrupt.
 fn get_id(c: &mut Client, m: &Memory, irq: &EventFd, n: u16) -> (u16, Vec<u8>, u8) {
+    post_get_id(m, n);
+    w(c, NOTIFY, 0, 2);
+    wait_used(m, irq, n + 1)
+}
+
+/// Posts a GET_ID request as avail entry `n` (no doorbell).
+fn post_get_id(m: &Memory, n: u16) {
     let desc = |i: u64, addr: u64, len: u32, flags: u16, next: u16| {
         let mut d = Vec::new();
         d.extend_from_slice(&addr.to_le_bytes());
@@ -164,18 +176,60 @@ fn get_id(c: &mut Client, m: &Memory, irq: &EventFd, n: u16) -> (u16, Vec<u8>, u
     desc(2, STATUS, 1, 2, 0);
     m.write(AVAIL + 4 + 2 * u64::from(n % 16), &0u16.to_le_bytes());
     m.write(AVAIL + 2, &(n + 1).to_le_bytes());
-    w(c, NOTIFY, 0, 2);
-    // Interrupts until the used entry shows (the worker also signals
-    // once as the ring starts).
+}
+
+/// The used ring's index.
+fn used_idx(m: &Memory) -> u16 {
+    u16::from_le_bytes(m.read(USED + 2, 2).try_into().unwrap())
+}
+
+/// Waits (10 s at most) for the used index to reach `n`, taking the
+/// interrupts that come meanwhile (the worker also signals once as the
+/// ring starts); returns it with the GET_ID data and status.
+fn wait_used(m: &Memory, irq: &EventFd, n: u16) -> (u16, Vec<u8>, u8) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let used_idx = || u16::from_le_bytes(m.read(USED + 2, 2).try_into().unwrap());
-    while used_idx() != n + 1 {
+    while used_idx(m) != n {
         let left = deadline.saturating_duration_since(std::time::Instant::now()).as_millis() as i32;
         assert!(left > 0 && wait_readable(irq.as_raw_fd(), left), "no used entry with its MSI-X interrupt within 10 s");
         let _ = irq.read();
     }
-    let used = used_idx();
-    (used, m.read(DATA, 20), m.read(STATUS, 1)[0])
+    (used_idx(m), m.read(DATA, 20), m.read(STATUS, 1)[0])
+}
+
+/// Where the PCI cfg access capability (virtio type 5) is, found the way
+/// a driver finds it: walking the capability list.
+fn pci_cfg_cap(c: &mut Client) -> u64 {
+    let mut space = [0u8; 256];
+    c.region_read(CONFIG, 0, &mut space).unwrap();
+    let mut at = space[0x34] as usize;
+    for _ in 0..48 {
+        assert!((0x40..=252).contains(&at), "no PCI cfg access capability");
+        if space[at] == 0x09 && space[at + 3] == 5 {
+            assert_eq!(space[at + 2], 20, "cap_len: the cap and pci_cfg_data");
+            return at as u64;
+        }
+        at = space[at + 1] as usize;
+    }
+    panic!("the capability list loops");
+}
+
+/// Writes `v` (`len` bytes) at `off` of BAR0 through the PCI cfg access
+/// window at `cap`: cap.bar, cap.offset, cap.length, then pci_cfg_data.
+fn w_cfg(c: &mut Client, cap: u64, off: u64, v: u64, len: usize) {
+    c.region_write(CONFIG, cap + 4, &[0]).unwrap();
+    c.region_write(CONFIG, cap + 8, &(off as u32).to_le_bytes()).unwrap();
+    c.region_write(CONFIG, cap + 12, &(len as u32).to_le_bytes()).unwrap();
+    c.region_write(CONFIG, cap + 16, &v.to_le_bytes()[..len]).unwrap();
+}
+
+/// Reads `len` bytes at `off` of BAR0 through the window at `cap`.
+fn r_cfg(c: &mut Client, cap: u64, off: u64, len: usize) -> u64 {
+    c.region_write(CONFIG, cap + 4, &[0]).unwrap();
+    c.region_write(CONFIG, cap + 8, &(off as u32).to_le_bytes()).unwrap();
+    c.region_write(CONFIG, cap + 12, &(len as u32).to_le_bytes()).unwrap();
+    let mut b = [0u8; 8];
+    c.region_read(CONFIG, cap + 16, &mut b[..len]).unwrap();
+    u64::from_le_bytes(b)
 }
 
 /// The eventfd's descriptor, borrowed for as long as it lives.
@@ -239,6 +293,39 @@ fn a_request_goes_through_doorbell_and_msix_vector() {
     assert_eq!(c.dma_unmap(0, MEM, 0).map_err(|e| e.to_string()), Err(errno_text(Errno::ENOENT)), "maps dropped");
     let stats = d.stop();
     assert_eq!(stats.queue(0, "get_ids"), 2);
+}
+
+#[test]
+fn the_pci_cfg_access_window_drives_the_device_like_bar0() {
+    let d = start(&["--mode", "interrupt"]);
+    let mut c = client(&d);
+    let m = Memory::new();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    let cap = pci_cfg_cap(&mut c);
+    // Reads: num_queues, the device config (capacity 1 MiB in sectors).
+    assert_eq!(r_cfg(&mut c, cap, 0x12, 2), 1);
+    assert_eq!(r_cfg(&mut c, cap, 0x2000, 4), 2048);
+    driver_setup(&mut c);
+    // Status 0 through the window resets the device (the queue goes).
+    w_cfg(&mut c, cap, 0x14, 0, 1);
+    assert_eq!(r(&mut c, 0x14, 1), 0);
+    assert_eq!(r(&mut c, 0x1c, 2), 0);
+    // Set up again, DRIVER_OK through the window: the ring starts.
+    driver_setup_until_enabled(&mut c);
+    w_cfg(&mut c, cap, 0x14, 0xf, 1);
+    assert_eq!(r(&mut c, 0x14, 1), 0xf);
+    // A request whose doorbell goes through the window (2 bytes, as
+    // SeaBIOS writes it).
+    post_get_id(&m, 0);
+    w_cfg(&mut c, cap, NOTIFY, 0, 2);
+    let (used, serial, status) = wait_used(&m, &irq, 1);
+    assert_eq!((used, status), (1, 0));
+    assert_eq!(&serial[..11], b"vfio-serial");
+    drop(c);
+    let stats = d.stop();
+    assert_eq!(stats.queue(0, "get_ids"), 1);
 }
 
 fn errno_text(e: Errno) -> String {

@@ -10,8 +10,14 @@
 //!
 //! ```text
 //! config space  256 bytes: ids 0x1af4 / 0x1040 + virtio type, revision 1,
-//!               capability list: common cfg, notify, ISR, device cfg
-//!               (virtio vendor capabilities), MSI-X
+//!               capability list (offset, length):
+//!               0x40 (16) common cfg   0x50 (20) notify   0x64 (16) ISR
+//!               0x74 (16) device cfg (virtio vendor capabilities, BAR0)
+//!               0x84 (12) MSI-X
+//!               0x90 (20) PCI cfg access (virtio type 5): cap.bar, offset,
+//!                         length and the 4-byte pci_cfg_data window at
+//!                         0xa0 are writable; an access to the window is
+//!                         an access to the BAR (same effects)
 //! BAR0 (16 KiB) 0x0000 common cfg   0x1000 ISR   0x2000 device cfg
 //!               0x3000 notify doorbells, 4 bytes per queue (own page, so a
 //!               transport may let the client map it)
@@ -83,6 +89,13 @@ const CAP_NOTIFY: usize = 0x50;
 const CAP_ISR: usize = 0x64;
 const CAP_DEVICE: usize = 0x74;
 const CAP_MSIX: usize = 0x84;
+const CAP_PCI_CFG: usize = 0x90;
+/// The PCI cfg access capability's fields: cap.bar, cap.offset, cap.length
+/// and pci_cfg_data (virtio 1.2, 4.1.4.9).
+const PCI_CFG_BAR: usize = CAP_PCI_CFG + 4;
+const PCI_CFG_OFFSET: usize = CAP_PCI_CFG + 8;
+const PCI_CFG_LENGTH: usize = CAP_PCI_CFG + 12;
+const PCI_CFG_DATA: usize = CAP_PCI_CFG + 16;
 const PCI_CAP_ID_VNDR: u8 = 0x09;
 const PCI_CAP_ID_MSIX: u8 = 0x11;
 
@@ -210,10 +223,13 @@ impl VirtioPci {
         vendor_cap(c, CAP_ISR, CAP_DEVICE, 3, ISR_OFF, 4, 16);
         vendor_cap(c, CAP_DEVICE, CAP_MSIX, 4, DEVICE_OFF, DEVICE_LEN, 16);
         c[CAP_MSIX] = PCI_CAP_ID_MSIX;
-        c[CAP_MSIX + 1] = 0;
+        c[CAP_MSIX + 1] = CAP_PCI_CFG as u8;
         put16(c, CAP_MSIX + 2, vectors - 1);
         put32(c, CAP_MSIX + 4, MSIX_TABLE_OFF | 1);
         put32(c, CAP_MSIX + 8, MSIX_PBA_OFF | 1);
+        // Last: the window into the BARs, pointing nowhere until the
+        // driver sets it.
+        vendor_cap(c, CAP_PCI_CFG, 0, 5, 0, 0, 20);
         let w = &mut p.wmask;
         // Command: I/O, memory, bus master, INTx disable.
         w[0x04] = 0x07;
@@ -223,6 +239,8 @@ impl VirtioPci {
         put32(w, 0x14, !(BAR1_SIZE as u32 - 1));
         w[0x3c] = 0xff; // interrupt line
         w[CAP_MSIX + 3] = 0xc0; // MSI-X enable, function mask
+        w[PCI_CFG_BAR] = 0xff;
+        w[PCI_CFG_OFFSET..PCI_CFG_DATA + 4].fill(0xff);
         p
     }
 
@@ -280,22 +298,72 @@ impl VirtioPci {
     }
 
     /// Reads config space; `off + data.len()` must lie inside it (bytes
-    /// outside read as 0).
+    /// outside read as 0). A read of pci_cfg_data reads the BAR through
+    /// the PCI cfg access window (its first cap.length bytes; BAR reads
+    /// have no side effects, so nothing changes).
     pub fn config_read(&self, off: u64, data: &mut [u8]) {
+        let mut window = None;
         for (i, b) in data.iter_mut().enumerate() {
-            *b = off.checked_add(i as u64).and_then(|o| self.cfg.get(o as usize)).copied().unwrap_or(0);
+            let Some(o) = off.checked_add(i as u64).map(|o| o as usize).filter(|&o| o < self.cfg.len()) else {
+                *b = 0;
+                continue;
+            };
+            *b = self.cfg[o];
+            if (PCI_CFG_DATA..PCI_CFG_DATA + 4).contains(&o) {
+                let w = window.get_or_insert_with(|| {
+                    self.window().map(|(bar, at, len)| {
+                        let mut v = [0u8; 4];
+                        self.bar_read(bar, at, &mut v[..len]);
+                        (v, len)
+                    })
+                });
+                if let Some((v, len)) = w {
+                    if o - PCI_CFG_DATA < *len {
+                        *b = v[o - PCI_CFG_DATA];
+                    }
+                }
+            }
         }
     }
 
     /// Writes config space: only the writable bits change (read-only
-    /// registers and bits ignore writes, as on hardware).
-    pub fn config_write(&mut self, off: u64, data: &[u8]) {
+    /// registers and bits ignore writes, as on hardware). A write that
+    /// reaches pci_cfg_data writes its first cap.length bytes to the BAR
+    /// the PCI cfg access window names: what that asks of the transport is
+    /// returned, as from [`VirtioPci::bar_write`].
+    pub fn config_write(&mut self, off: u64, data: &[u8]) -> Vec<Effect> {
+        let mut to_window = false;
         for (i, &v) in data.iter().enumerate() {
             let Some(o) = off.checked_add(i as u64).map(|o| o as usize).filter(|&o| o < self.cfg.len()) else {
-                return;
+                break;
             };
             self.cfg[o] = (self.cfg[o] & !self.wmask[o]) | (v & self.wmask[o]);
+            to_window |= (PCI_CFG_DATA..PCI_CFG_DATA + 4).contains(&o);
         }
+        match self.window().filter(|_| to_window) {
+            Some((bar, at, len)) => {
+                let mut v = [0u8; 4];
+                v[..len].copy_from_slice(&self.cfg[PCI_CFG_DATA..PCI_CFG_DATA + len]);
+                self.bar_write(bar, at, &v[..len])
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Where the PCI cfg access window points: (bar, offset, length), if
+    /// the driver set it to an access the spec allows (1, 2 or 4 bytes,
+    /// aligned, inside BAR0, where every virtio structure is). Anything
+    /// else is ignored (virtio 1.2, 4.1.4.9: the driver MUST NOT use such
+    /// a window).
+    fn window(&self) -> Option<(u32, u64, usize)> {
+        let bar = self.cfg[PCI_CFG_BAR];
+        let at = u64::from(get32(&self.cfg, PCI_CFG_OFFSET));
+        let len = get32(&self.cfg, PCI_CFG_LENGTH);
+        let ok = bar == 0
+            && matches!(len, 1 | 2 | 4)
+            && at.is_multiple_of(u64::from(len))
+            && at + u64::from(len) <= BAR0_SIZE;
+        ok.then_some((u32::from(bar), at, len as usize))
     }
 
     /// Reads `data.len()` bytes at `off` of BAR `bar`. Bytes outside the
@@ -494,6 +562,10 @@ fn vendor_cap(c: &mut [u8], at: usize, next: usize, cfg_type: u8, off: u64, len:
     c[at + 4] = 0; // BAR0
     put32(c, at + 8, off as u32);
     put32(c, at + 12, len as u32);
+}
+
+fn get32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
 fn put16(b: &mut [u8], at: usize, v: u16) {

@@ -87,28 +87,141 @@ fn config_space_identifies_a_modern_virtio_device_with_its_capabilities() {
     assert_eq!(cfg32(&p, 8) & 0xff, 1, "revision 1");
     assert_eq!(cfg32(&p, 8) >> 8, 0x010000, "mass storage class");
     assert_eq!(cfg32(&p, 4) >> 16 & 0x10, 0x10, "capability list");
-    // Walk the list: four virtio caps of types 1, 2, 3, 4, then MSI-X.
+    // Walk the list: four virtio caps of types 1, 2, 3, 4, MSI-X, then
+    // the PCI cfg access cap (type 5). Each lies inside config space, past
+    // the header, dword aligned, and ends before the next one starts.
     let mut at = cfg32(&p, 0x34) & 0xff;
     let mut seen = Vec::new();
+    let mut end = 0x40;
     while at != 0 {
+        assert!(
+            at >= end && at.is_multiple_of(4),
+            "cap at {at:#x} overlaps the one before (ends {end:#x}) or is unaligned"
+        );
         let head = cfg32(&p, at as u64);
         let (id, next) = (head & 0xff, head >> 8 & 0xff);
-        if id == 0x09 {
+        let len = if id == 0x09 {
             let (ty, bar) = (head >> 24, cfg32(&p, at as u64 + 4) & 0xff);
             let (off, len) = (cfg32(&p, at as u64 + 8), cfg32(&p, at as u64 + 12));
             assert_eq!(bar, 0);
             assert!(u64::from(off) + u64::from(len) <= BAR0_SIZE);
             seen.push((ty, off, len));
+            head >> 16 & 0xff
         } else {
             assert_eq!(id, 0x11);
             assert_eq!(head >> 16 & 0x7ff, 2, "3 vectors: 2 queues and config");
             assert_eq!(cfg32(&p, at as u64 + 4), 1, "table in BAR1 at 0");
             seen.push((0x11, 0, 0));
-        }
+            12
+        };
+        end = at + len;
+        assert!(end <= CONFIG_SPACE_SIZE as u32);
         at = next;
     }
-    assert_eq!(seen, vec![(1, 0, 0x40), (2, 0x3000, 0x1000), (3, 0x1000, 4), (4, 0x2000, 0x100), (0x11, 0, 0)]);
+    assert_eq!(
+        seen,
+        vec![(1, 0, 0x40), (2, 0x3000, 0x1000), (3, 0x1000, 4), (4, 0x2000, 0x100), (0x11, 0, 0), (5, 0, 0)]
+    );
     assert_eq!(cfg32(&p, CAP_NOTIFY as u64 + 16), 4, "notify_off_multiplier");
+    assert_eq!(cfg32(&p, CAP_NOTIFY as u64) >> 16 & 0xff, 20, "the notify cap has the multiplier");
+    assert_eq!(cfg32(&p, CAP_PCI_CFG as u64) >> 16 & 0xff, 20, "the PCI cfg cap has pci_cfg_data");
+}
+
+/// Points the PCI cfg access window at `len` bytes at `off` of BAR `bar`
+/// (as a driver does: cap.bar, cap.offset, cap.length).
+fn window(p: &mut VirtioPci, bar: u8, off: u32, len: u32) {
+    assert_eq!(p.config_write(PCI_CFG_BAR as u64, &[bar]), vec![]);
+    assert_eq!(p.config_write(PCI_CFG_OFFSET as u64, &off.to_le_bytes()), vec![]);
+    assert_eq!(p.config_write(PCI_CFG_LENGTH as u64, &len.to_le_bytes()), vec![]);
+}
+
+const DATA: u64 = PCI_CFG_DATA as u64;
+
+#[test]
+fn the_pci_cfg_window_reaches_bar0_with_the_same_effects() {
+    let mut p = model();
+    // Reads: num_queues (2 bytes), the device config (4), a byte of it.
+    window(&mut p, 0, 0x12, 2);
+    assert_eq!(cfg32(&p, DATA) & 0xffff, 2);
+    window(&mut p, 0, DEVICE_OFF as u32, 4);
+    assert_eq!(cfg32(&p, DATA), 0x0403_0201);
+    let mut b = [0u8; 1];
+    p.config_read(DATA, &mut b);
+    assert_eq!(b, [1]);
+    window(&mut p, 0, DEVICE_OFF as u32 + 5, 1);
+    p.config_read(DATA, &mut b);
+    assert_eq!(b, [6]);
+    // The window's fields read back as written.
+    assert_eq!(cfg32(&p, PCI_CFG_OFFSET as u64), DEVICE_OFF as u32 + 5);
+    assert_eq!(cfg32(&p, PCI_CFG_LENGTH as u64), 1);
+    // The whole set-up through the window: status, features, a queue.
+    window(&mut p, 0, 0x14, 1);
+    assert_eq!(p.config_write(DATA, &[1]), vec![]);
+    assert_eq!(p.config_write(DATA, &[3]), vec![]);
+    window(&mut p, 0, 0x08, 4);
+    p.config_write(DATA, &1u32.to_le_bytes());
+    window(&mut p, 0, 0x0c, 4);
+    p.config_write(DATA, &1u32.to_le_bytes()); // VERSION_1 (bit 32)
+    window(&mut p, 0, 0x14, 1);
+    assert_eq!(p.config_write(DATA, &[0xb]), vec![Effect::FeaturesOk(ring_features::VERSION_1)]);
+    assert_eq!(p.status(), 0xb);
+    window(&mut p, 0, 0x16, 2);
+    p.config_write(DATA, &1u16.to_le_bytes());
+    window(&mut p, 0, 0x18, 2);
+    p.config_write(DATA, &64u16.to_le_bytes());
+    window(&mut p, 0, 0x1c, 2);
+    assert_eq!(p.config_write(DATA, &1u16.to_le_bytes()), vec![Effect::QueueEnabled(1)]);
+    assert_eq!(p.queue(1).unwrap().size, 64);
+    window(&mut p, 0, 0x14, 1);
+    assert_eq!(p.config_write(DATA, &[0xf]), vec![Effect::DriverOk]);
+    // A doorbell (2 bytes, as SeaBIOS writes it), in a 4-byte config
+    // write: the first cap.length bytes go to the BAR.
+    window(&mut p, 0, NOTIFY_OFF as u32 + 4, 2);
+    assert_eq!(p.config_write(DATA, &[1, 0, 0xff, 0xff]), vec![Effect::Notify(1)]);
+    // Writing the device config through it.
+    window(&mut p, 0, DEVICE_OFF as u32 + 4, 1);
+    assert_eq!(p.config_write(DATA, &[0x77]), vec![]);
+    assert_eq!(rd(&p, DEVICE_OFF + 4, 1), 0x77);
+    // A write to the cap's fields alone touches no BAR.
+    window(&mut p, 0, 0x14, 1);
+    assert_eq!(p.status(), 0xf);
+    // Status 0 through the window resets.
+    assert_eq!(p.config_write(DATA, &[0]), vec![Effect::Reset]);
+    assert_eq!(p.status(), 0);
+}
+
+#[test]
+fn a_pci_cfg_window_the_spec_forbids_is_ignored() {
+    let mut p = model();
+    wr(&mut p, 0x14, 1, 1);
+    // Each would reach the status byte (a 0 written there resets) or
+    // another BAR: unaligned, a length other than 1, 2 or 4, past BAR0,
+    // BAR1 (the MSI-X table, not a virtio structure), a BAR that does not
+    // exist, an offset that wraps.
+    let bad = [
+        (0u8, 0x13u32, 2u32),
+        (0, 0x12, 4),
+        (0, 0x14, 3),
+        (0, 0x14, 0),
+        (0, 0x10, 8),
+        (0, BAR0_SIZE as u32, 4),
+        (0, BAR0_SIZE as u32 - 2, 4),
+        (1, 0x14, 1),
+        (2, 0x14, 1),
+        (0xff, 0x14, 1),
+        (0, 0xffff_fffc, 4),
+    ];
+    for (bar, off, len) in bad {
+        window(&mut p, bar, off, len);
+        assert_eq!(p.config_write(DATA, &[0; 4]), vec![], "window {bar}/{off:#x}/{len}");
+        assert_eq!(p.status(), 1, "window {bar}/{off:#x}/{len}");
+        // A read gives the bytes last written, not the BAR's.
+        p.config_write(DATA, &0xa5a5_a5a5u32.to_le_bytes());
+        assert_eq!(cfg32(&p, DATA), 0xa5a5_a5a5, "window {bar}/{off:#x}/{len}");
+    }
+    // The capability's read-only bytes stay.
+    p.config_write(CAP_PCI_CFG as u64, &[0xff; 4]);
+    assert_eq!(cfg32(&p, CAP_PCI_CFG as u64), 0x0514_0009);
 }
 
 #[test]
