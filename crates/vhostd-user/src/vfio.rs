@@ -6,8 +6,9 @@
 //! DEVICE_GET_INFO, the PCI config space's virtio capabilities (common,
 //! notify, device config), GET_REGION_INFO of the notify BAR (mapping the
 //! doorbells when a sparse mmap area covers them), GET_IRQ_INFO and
-//! SET_IRQS for MSI-X (vector 0: config, vector q + 1: queue q), then the
-//! virtio init sequence through REGION_WRITEs to the common config: reset,
+//! SET_IRQS for MSI-X (vector 0: config, vector q + 1: queue q), memory
+//! space and bus master in the PCI command register, then the virtio init
+//! sequence through REGION_WRITEs to the common config: reset,
 //! ACKNOWLEDGE, DRIVER, features, FEATURES_OK. `blk_queue` lays out a
 //! queue exactly as vhost-user does (`BlkQueue::create_in`) and programs
 //! its registers; `driver_ok` starts the device.
@@ -35,6 +36,9 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 const CONFIG_REGION: u32 = 7;
 /// VFIO_PCI_MSIX_IRQ_INDEX.
 const MSIX_IRQ: u32 = 2;
+/// The PCI command register, and its memory space and bus master bits.
+const PCI_COMMAND: u64 = 0x04;
+const COMMAND_ENABLE: u16 = 0x2 | 0x4;
 /// The highest BAR region index.
 const LAST_BAR: u8 = 5;
 
@@ -290,6 +294,10 @@ impl VfioBlk {
                 Some(mem.file().as_fd()),
             )
             .map_err(vf("DMA_MAP"))?;
+        // Memory space and bus master on, as the guest's PCI core does
+        // before the virtio driver runs (pci_enable_device,
+        // pci_set_master): without bus master the device runs no ring.
+        client.region_write(CONFIG_REGION, PCI_COMMAND, &COMMAND_ENABLE.to_le_bytes()).map_err(vf("PCI command"))?;
         let config_irq = EventFd::new(EFD_NONBLOCK).map_err(Error::Io)?;
         let mut d = VfioBlk {
             client,

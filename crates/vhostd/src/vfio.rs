@@ -11,6 +11,10 @@
 //! - queue_enable (once DRIVER_OK is set) attaches the ring; the call
 //!   descriptor is the MSI-X vector's eventfd from SET_IRQS. A vector's
 //!   eventfd that changes under a running ring restarts the ring with it.
+//! - Rings run only while Bus Master Enable (PCI command bit 2) is set:
+//!   clearing it stops them (parked with their state, as for an unmap),
+//!   setting it starts the enabled ones again, or for the first time (a
+//!   driver may set it after DRIVER_OK).
 //! - Doorbells: trapped (REGION_WRITE) in interrupt and adaptive modes:
 //!   the write becomes a write to the ring's kick eventfd, and the device's
 //!   event suppression keeps those messages rare while it is busy. In poll
@@ -220,6 +224,19 @@ impl Dev {
                         self.start_ring(i);
                     }
                 }
+                Effect::BusMaster(false) => {
+                    // No DMA without Bus Master Enable: every ring stops,
+                    // parked with its state, until the bit is set again.
+                    tracing::debug!("bus master disabled: rings stop");
+                    for i in 0..self.queue_count() {
+                        self.stop_ring(i);
+                    }
+                }
+                Effect::BusMaster(true) => {
+                    for i in 0..self.queue_count() {
+                        self.start_ring(i);
+                    }
+                }
                 Effect::QueueEnabled(q) => self.start_ring(q as usize),
                 Effect::QueueVector(q) => self.restart(q as usize),
                 Effect::Notify(q) => {
@@ -248,12 +265,14 @@ impl Dev {
         }
     }
 
-    /// Puts ring `i` on its worker if the driver has it enabled and the
-    /// device is DRIVER_OK. A new ring whose addresses are outside guest
-    /// memory is refused (NEEDS_RESET); a stopped one whose memory went
-    /// waits for it.
+    /// Puts ring `i` on its worker if the driver has it enabled, the
+    /// device is DRIVER_OK and Bus Master Enable is set (else it waits for
+    /// that: a ring the driver set up before it set the bit starts then).
+    /// A new ring whose addresses are outside guest memory is refused
+    /// (NEEDS_RESET); a stopped one whose memory went waits for it.
     fn start_ring(&mut self, i: usize) {
-        if self.rings[i].running.is_some() || self.pci.status() & vpci::status::DRIVER_OK == 0 {
+        if self.rings[i].running.is_some() || self.pci.status() & vpci::status::DRIVER_OK == 0 || !self.pci.bus_master()
+        {
             return;
         }
         let Some(regs) = self.pci.queue(i as u16).copied().filter(|r| r.enabled) else { return };

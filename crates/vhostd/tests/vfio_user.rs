@@ -127,8 +127,21 @@ fn r(c: &mut Client, off: u64, len: usize) -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// The driver's set-up of queue 0 (16 entries, vector 0) up to DRIVER_OK.
+/// PCI command register bits: memory space, bus master.
+const CMD_MEMORY: u16 = 0x2;
+const CMD_MASTER: u16 = 0x4;
+
+/// Writes the PCI command register (as the guest's PCI core does:
+/// pci_enable_device, pci_set_master, pci_disable_device).
+fn command(c: &mut Client, v: u16) {
+    c.region_write(CONFIG, 4, &v.to_le_bytes()).unwrap();
+}
+
+/// The driver's set-up of queue 0 (16 entries, vector 0) up to DRIVER_OK,
+/// after memory space and bus master are enabled (as Linux's virtio_pci
+/// probe does before the virtio driver runs).
 fn driver_setup(c: &mut Client) {
+    command(c, CMD_MEMORY | CMD_MASTER);
     driver_setup_until_enabled(c);
     w(c, 0x14, 0xf, 1); // DRIVER_OK
 }
@@ -328,6 +341,58 @@ fn the_pci_cfg_access_window_drives_the_device_like_bar0() {
     assert_eq!(stats.queue(0, "get_ids"), 1);
 }
 
+/// Whether the used index stays `n` for 200 ms (a device that must not
+/// touch guest memory).
+fn used_stays(m: &Memory, n: u16) -> bool {
+    let until = std::time::Instant::now() + Duration::from_millis(200);
+    while std::time::Instant::now() < until {
+        if used_idx(m) != n {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+#[test]
+fn rings_run_only_while_bus_master_is_enabled() {
+    let d = start(&["--mode", "interrupt"]);
+    let mut c = client(&d);
+    let m = Memory::new();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    // The driver sets the device up to DRIVER_OK with memory space on but
+    // bus master off: the ring waits, a request stays untouched.
+    command(&mut c, CMD_MEMORY);
+    driver_setup_until_enabled(&mut c);
+    w(&mut c, 0x14, 0xf, 1);
+    assert_eq!(r(&mut c, 0x14, 1), 0xf);
+    post_get_id(&m, 0);
+    w(&mut c, NOTIFY, 0, 2);
+    assert!(used_stays(&m, 0), "a request was served before bus master was enabled");
+    // Bus master on: the ring the driver set up before starts, and serves
+    // the request (its doorbell was not lost).
+    command(&mut c, CMD_MEMORY | CMD_MASTER);
+    let (used, serial, status) = wait_used(&m, &irq, 1);
+    assert_eq!((used, status), (1, 0));
+    assert_eq!(&serial[..11], b"vfio-serial");
+    // Off again (QEMU's reset, Linux's pci_disable_device): the ring stops.
+    command(&mut c, CMD_MEMORY);
+    post_get_id(&m, 1);
+    w(&mut c, NOTIFY, 0, 2);
+    assert!(used_stays(&m, 1), "a request was served with bus master disabled");
+    // On: it resumes where it stopped.
+    command(&mut c, CMD_MEMORY | CMD_MASTER);
+    let (used, _, status) = wait_used(&m, &irq, 2);
+    assert_eq!((used, status), (2, 0));
+    let (used, _, status) = get_id(&mut c, &m, &irq, 2);
+    assert_eq!((used, status), (3, 0));
+    drop(c);
+    let stats = d.stop();
+    assert_eq!(stats.queue(0, "get_ids"), 3);
+}
+
 fn errno_text(e: Errno) -> String {
     ClientError::Errno(e).to_string()
 }
@@ -474,6 +539,7 @@ fn scsi_hotplug_events_reach_the_event_queue_and_its_vector() {
     let irq = EventFd::new(EFD_NONBLOCK).unwrap();
     c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 2, &[], &[bfd(&none), bfd(&irq)])
         .unwrap();
+    command(&mut c, CMD_MEMORY | CMD_MASTER);
     w(&mut c, 0x14, 0, 1);
     w(&mut c, 0x14, 3, 1);
     w(&mut c, 0x08, 0, 4);

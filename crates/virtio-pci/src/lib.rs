@@ -83,6 +83,10 @@ pub mod status {
     pub const FAILED: u8 = 0x80;
 }
 
+/// The PCI command register and its Bus Master Enable bit.
+const COMMAND: usize = 0x04;
+const COMMAND_MASTER: u8 = 0x04;
+
 /// Where the capabilities sit in config space.
 const CAP_COMMON: usize = 0x40;
 const CAP_NOTIFY: usize = 0x50;
@@ -109,6 +113,11 @@ pub enum Effect {
     FeaturesOk(u64),
     /// DRIVER_OK was set: start every enabled queue.
     DriverOk,
+    /// The PCI command register's Bus Master Enable changed. Cleared, the
+    /// device must not touch guest memory (nor signal MSI-X, a memory
+    /// write): stop every ring, keeping its state. Set again: start the
+    /// enabled queues again (once DRIVER_OK is set).
+    BusMaster(bool),
     /// The driver enabled this queue (its registers are checked: size,
     /// FEATURES_OK set; its addresses are the transport's to check).
     QueueEnabled(u16),
@@ -232,8 +241,8 @@ impl VirtioPci {
         vendor_cap(c, CAP_PCI_CFG, 0, 5, 0, 0, 20);
         let w = &mut p.wmask;
         // Command: I/O, memory, bus master, INTx disable.
-        w[0x04] = 0x07;
-        w[0x05] = 0x04;
+        w[COMMAND] = 0x07;
+        w[COMMAND + 1] = 0x04;
         // BARs hold their size's alignment (sizing reads back the size).
         put32(w, 0x10, !(BAR0_SIZE as u32 - 1));
         put32(w, 0x14, !(BAR1_SIZE as u32 - 1));
@@ -267,6 +276,12 @@ impl VirtioPci {
     /// The device status.
     pub fn status(&self) -> u8 {
         self.status
+    }
+
+    /// Whether Bus Master Enable is set in the PCI command register: the
+    /// device may touch guest memory (run rings) only then.
+    pub fn bus_master(&self) -> bool {
+        self.cfg[COMMAND] & COMMAND_MASTER != 0
     }
 
     /// The driver features (final once FEATURES_OK is set).
@@ -327,11 +342,13 @@ impl VirtioPci {
     }
 
     /// Writes config space: only the writable bits change (read-only
-    /// registers and bits ignore writes, as on hardware). A write that
-    /// reaches pci_cfg_data writes its first cap.length bytes to the BAR
-    /// the PCI cfg access window names: what that asks of the transport is
-    /// returned, as from [`VirtioPci::bar_write`].
+    /// registers and bits ignore writes, as on hardware). Returns what the
+    /// transport must do: [`Effect::BusMaster`] when Bus Master Enable
+    /// changes, and, for a write that reaches pci_cfg_data, what writing
+    /// its first cap.length bytes to the BAR the PCI cfg access window
+    /// names asks for (as from [`VirtioPci::bar_write`]).
     pub fn config_write(&mut self, off: u64, data: &[u8]) -> Vec<Effect> {
+        let master = self.bus_master();
         let mut to_window = false;
         for (i, &v) in data.iter().enumerate() {
             let Some(o) = off.checked_add(i as u64).map(|o| o as usize).filter(|&o| o < self.cfg.len()) else {
@@ -340,14 +357,16 @@ impl VirtioPci {
             self.cfg[o] = (self.cfg[o] & !self.wmask[o]) | (v & self.wmask[o]);
             to_window |= (PCI_CFG_DATA..PCI_CFG_DATA + 4).contains(&o);
         }
-        match self.window().filter(|_| to_window) {
-            Some((bar, at, len)) => {
-                let mut v = [0u8; 4];
-                v[..len].copy_from_slice(&self.cfg[PCI_CFG_DATA..PCI_CFG_DATA + len]);
-                self.bar_write(bar, at, &v[..len])
-            }
-            None => Vec::new(),
+        let mut fx = Vec::new();
+        if self.bus_master() != master {
+            fx.push(Effect::BusMaster(!master));
         }
+        if let Some((bar, at, len)) = self.window().filter(|_| to_window) {
+            let mut v = [0u8; 4];
+            v[..len].copy_from_slice(&self.cfg[PCI_CFG_DATA..PCI_CFG_DATA + len]);
+            fx.extend(self.bar_write(bar, at, &v[..len]));
+        }
+        fx
     }
 
     /// Where the PCI cfg access window points: (bar, offset, length), if

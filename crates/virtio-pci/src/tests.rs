@@ -362,3 +362,24 @@ fn needs_reset_shows_only_on_a_running_device_until_reset() {
     wr(&mut p, 0x14, 1, 0);
     assert_eq!(rd(&p, 0x14, 1), 0);
 }
+
+#[test]
+fn bus_master_enable_changes_are_reported() {
+    let mut p = model();
+    assert!(!p.bus_master(), "clear at power-on");
+    // Memory space alone: no change.
+    assert_eq!(p.config_write(0x04, &[0x02, 0]), vec![]);
+    // pci_set_master: set (a 2-byte write, and the status register's
+    // read-only bytes in a 4-byte one change nothing more).
+    assert_eq!(p.config_write(0x04, &[0x06, 0]), vec![Effect::BusMaster(true)]);
+    assert!(p.bus_master());
+    assert_eq!(p.config_write(0x04, &[0x06, 0x04, 0xff, 0xff]), vec![]);
+    assert_eq!(cfg32(&p, 0x04) & 0xffff, 0x0406);
+    // Cleared (QEMU's reset, Linux's pci_disable_device), in a byte write.
+    assert_eq!(p.config_write(0x04, &[0x02]), vec![Effect::BusMaster(false)]);
+    assert!(!p.bus_master());
+    // Neither a virtio reset nor the registers' writes touch it.
+    p.config_write(0x04, &[0x06]);
+    assert_eq!(wr(&mut p, 0x14, 1, 0), vec![Effect::Reset]);
+    assert!(p.bus_master());
+}
