@@ -23,7 +23,9 @@
 //!   work by itself.
 //! - DEVICE_RESET and device status 0 stop every ring and reset the device;
 //!   so does the end of the connection, which also drops every DMA map and
-//!   MSI-X eventfd (the next client starts afresh).
+//!   MSI-X eventfd (the next client starts afresh). DEVICE_RESET, a
+//!   function-level reset, also puts the PCI config space back to its
+//!   power-on values; status 0 leaves it alone.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -563,7 +565,13 @@ impl VfioDevice for Dev {
     }
 
     fn reset(&mut self) -> Result<(), Errno> {
+        // DEVICE_RESET is a function-level reset: unlike a virtio reset
+        // (status 0), the config space goes back to power-on as well, so
+        // nothing the previous owner programmed (bus master, MSI-X
+        // enable, BARs) outlives it. QEMU clears bus master and disables
+        // MSI-X before it, and zeroes the BARs after.
         self.reset_all();
+        self.pci.function_reset();
         Ok(())
     }
 }

@@ -393,6 +393,67 @@ fn rings_run_only_while_bus_master_is_enabled() {
     assert_eq!(stats.queue(0, "get_ids"), 3);
 }
 
+/// The whole PCI config space.
+fn config_space(c: &mut Client) -> [u8; 256] {
+    let mut b = [0u8; 256];
+    c.region_read(CONFIG, 0, &mut b).unwrap();
+    b
+}
+
+/// The offset of the first capability with id `id` (0x11: MSI-X).
+fn find_cap(space: &[u8; 256], id: u8) -> usize {
+    let mut at = space[0x34] as usize;
+    while at != 0 {
+        if space[at] == id {
+            return at;
+        }
+        at = space[at + 1] as usize;
+    }
+    panic!("no capability {id:#x}");
+}
+
+#[test]
+fn device_reset_puts_config_space_back_to_power_on() {
+    let d = start(&["--mode", "interrupt"]);
+    let mut c = client(&d);
+    let power_on = config_space(&mut c);
+    let m = Memory::new();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    // The previous owner: BARs placed, interrupt line, MSI-X enabled, the
+    // PCI cfg access window set, bus master on, a request served.
+    c.region_write(CONFIG, 0x10, &0xfebf_0000u32.to_le_bytes()).unwrap();
+    c.region_write(CONFIG, 0x14, &0xfebf_4000u32.to_le_bytes()).unwrap();
+    c.region_write(CONFIG, 0x3c, &[11]).unwrap();
+    let msix = find_cap(&power_on, 0x11);
+    c.region_write(CONFIG, msix as u64 + 3, &[0x80]).unwrap();
+    let cap = pci_cfg_cap(&mut c);
+    assert_eq!(r_cfg(&mut c, cap, 0x12, 2), 1);
+    driver_setup(&mut c);
+    assert_eq!(get_id(&mut c, &m, &irq, 0).2, 0);
+    let programmed = config_space(&mut c);
+    assert_ne!(programmed, power_on);
+    // A virtio reset (status 0) keeps the config space.
+    w(&mut c, 0x14, 0, 1);
+    assert_eq!(config_space(&mut c), programmed, "status 0 changed the PCI config space");
+    // DEVICE_RESET (a function-level reset) of a running device (its
+    // rings fresh): as at power-on.
+    m.write(0, &vec![0; STATUS as usize]);
+    driver_setup(&mut c);
+    c.reset().unwrap();
+    assert_eq!(config_space(&mut c), power_on, "DEVICE_RESET left the PCI config space as programmed");
+    assert_eq!((r(&mut c, 0x14, 1), r(&mut c, 0x1c, 2)), (0, 0));
+    // The next owner (a rebooted guest) sets it up afresh and is served.
+    m.write(0, &vec![0; STATUS as usize]);
+    driver_setup(&mut c);
+    let (used, _, status) = get_id(&mut c, &m, &irq, 0);
+    assert_eq!((used, status), (1, 0));
+    drop(c);
+    let stats = d.stop();
+    assert_eq!(stats.queue(0, "get_ids"), 2);
+}
+
 fn errno_text(e: Errno) -> String {
     ClientError::Errno(e).to_string()
 }

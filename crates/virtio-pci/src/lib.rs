@@ -148,6 +148,8 @@ pub struct QueueRegs {
 pub struct VirtioPci {
     dev: Arc<dyn Device>,
     cfg: [u8; CONFIG_SPACE_SIZE as usize],
+    /// Config space at power-on, for a function-level reset.
+    cfg_power_on: [u8; CONFIG_SPACE_SIZE as usize],
     /// Bits of each config byte a write may change.
     wmask: [u8; CONFIG_SPACE_SIZE as usize],
     vectors: u16,
@@ -204,6 +206,7 @@ impl VirtioPci {
         let mut p = VirtioPci {
             dev,
             cfg: [0; CONFIG_SPACE_SIZE as usize],
+            cfg_power_on: [0; CONFIG_SPACE_SIZE as usize],
             wmask: [0; CONFIG_SPACE_SIZE as usize],
             vectors,
             device_feature_select: 0,
@@ -250,11 +253,13 @@ impl VirtioPci {
         w[CAP_MSIX + 3] = 0xc0; // MSI-X enable, function mask
         w[PCI_CFG_BAR] = 0xff;
         w[PCI_CFG_OFFSET..PCI_CFG_DATA + 4].fill(0xff);
+        p.cfg_power_on = p.cfg;
         p
     }
 
-    /// Registers back to their state at power-on (status 0 written, or the
-    /// transport's reset). The config space keeps what the VMM programmed.
+    /// The virtio registers back to their state at power-on (status 0
+    /// written: a virtio reset). The PCI config space keeps what the VMM
+    /// and the driver programmed there (BARs, command, MSI-X enable).
     pub fn reset(&mut self) {
         let max = self.dev.max_queue_size();
         self.device_feature_select = 0;
@@ -266,6 +271,17 @@ impl VirtioPci {
         self.queues = (0..self.dev.queues())
             .map(|_| QueueRegs { size: max, vector: NO_VECTOR, enabled: false, desc: 0, driver: 0, device: 0 })
             .collect();
+    }
+
+    /// A function-level reset (vfio-user's DEVICE_RESET, a PCI FLR): the
+    /// virtio registers as for [`VirtioPci::reset`], and the config space
+    /// back to power-on too: command register (bus master off), BARs,
+    /// interrupt line, MSI-X enable and function mask, the PCI cfg access
+    /// window. The transport stops the rings first (no
+    /// [`Effect::BusMaster`] is returned).
+    pub fn function_reset(&mut self) {
+        self.cfg = self.cfg_power_on;
+        self.reset();
     }
 
     /// MSI-X vectors the device has.

@@ -383,3 +383,42 @@ fn bus_master_enable_changes_are_reported() {
     assert_eq!(wr(&mut p, 0x14, 1, 0), vec![Effect::Reset]);
     assert!(p.bus_master());
 }
+
+#[test]
+fn a_function_reset_restores_config_space_and_a_virtio_reset_keeps_it() {
+    let mut p = model();
+    let space = |p: &VirtioPci| {
+        let mut b = [0u8; CONFIG_SPACE_SIZE as usize];
+        p.config_read(0, &mut b);
+        b
+    };
+    let power_on = space(&p);
+    // What a VMM and its guest program: memory space, bus master and
+    // INTx disable, the BARs, the interrupt line, MSI-X enabled and
+    // masked, the PCI cfg access window.
+    p.config_write(0x04, &[0x06, 0x04]);
+    p.config_write(0x10, &0xfebf_0000u32.to_le_bytes());
+    p.config_write(0x14, &0xfebf_4000u32.to_le_bytes());
+    p.config_write(0x3c, &[0x0b]);
+    p.config_write(CAP_MSIX as u64 + 3, &[0xc0]);
+    window(&mut p, 0, DEVICE_OFF as u32, 4);
+    negotiate(&mut p, ring_features::VERSION_1);
+    wr(&mut p, 0x14, 1, 0xf);
+    let programmed = space(&p);
+    assert_ne!(programmed, power_on);
+    // A virtio reset (status 0) leaves config space alone.
+    assert_eq!(wr(&mut p, 0x14, 1, 0), vec![Effect::Reset]);
+    assert_eq!(space(&p), programmed);
+    assert!(p.bus_master());
+    // A function-level reset: registers and config space as at power-on.
+    negotiate(&mut p, ring_features::VERSION_1);
+    wr(&mut p, 0x14, 1, 0xf);
+    p.function_reset();
+    assert_eq!(space(&p), power_on);
+    assert!(!p.bus_master());
+    assert_eq!((p.status(), p.driver_features(), rd(&p, 0x14, 1)), (0, 0, 0));
+    // And it works as at power-on: BAR sizing, bus master.
+    p.config_write(0x10, &[0xff; 4]);
+    assert_eq!(cfg32(&p, 0x10), !(BAR0_SIZE as u32 - 1));
+    assert_eq!(p.config_write(0x04, &[0x06]), vec![Effect::BusMaster(true)]);
+}
