@@ -88,12 +88,39 @@ pub fn map_region(file: &File, gpa: u64, size: u64, offset: u64) -> io::Result<R
 /// as the mapping lives. Returns the mapping and where the bytes start in
 /// it: an offset that is not page aligned is mapped from the file start,
 /// as libvhost-user does.
+///
+/// With every slot of the handler's table taken (`SLOTS` live mappings), a
+/// file sealed against shrinking is mapped all the same (it cannot be
+/// truncated under us), but an unsealed one is refused with an error of
+/// kind `StorageFull` (a vfio-user DMA_MAP answers ENOSPC, a vhost-user
+/// SET_MEM_TABLE or ADD_MEM_REG is refused): its frontend could truncate
+/// it and crash vhostd with a SIGBUS nobody handles.
 pub fn map_shared(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, u64)> {
+    map_shared_in(&TABLE, file, size, offset)
+}
+
+/// `map_shared`, registering in `table`.
+fn map_shared_in(table: &'static [Slot], file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, u64)> {
     let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
     let len = size.checked_add(skip).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size overflows"))?;
     let mapping = Mapping::map(file, map_off, len)?;
-    let registration = register(mapping.host_range());
-    Ok((Arc::new(mapping.with_unmap_guard(Box::new(registration))), skip))
+    let mapping = match register(table, mapping.host_range()) {
+        Some(registration) => mapping.with_unmap_guard(Box::new(registration)),
+        // Sealed against shrinking: no truncation to survive.
+        None if mapping.sealed() => mapping,
+        // Refused; `mapping` is unmapped as it drops.
+        None => {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!(
+                    "{} mappings already live, the most the SIGBUS handler covers, and this file cannot be \
+                     sealed against shrinking (not a memfd): refused rather than mapped unprotected",
+                    table.len()
+                ),
+            ))
+        }
+    };
+    Ok((Arc::new(mapping), skip))
 }
 
 // ---- surviving a frontend that truncates its memory ----------------------
@@ -106,37 +133,44 @@ pub fn map_shared(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mappin
 // anywhere else keep their default action.
 
 const SLOTS: usize = 1024;
-static STARTS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
-static LENS: [AtomicUsize; SLOTS] = [const { AtomicUsize::new(0) }; SLOTS];
+
+/// One live mapping the handler covers: its start and length (start 0: a
+/// free slot).
+struct Slot {
+    start: AtomicUsize,
+    len: AtomicUsize,
+}
+
+impl Slot {
+    const fn new() -> Slot {
+        Slot { start: AtomicUsize::new(0), len: AtomicUsize::new(0) }
+    }
+}
+
+/// The handler's table.
+static TABLE: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
 static LOST: AtomicU64 = AtomicU64::new(0);
 
-/// A mapping's place in the handler's table, given up on drop (which the
-/// mapping does just before it unmaps).
-struct Registration(usize);
+/// A mapping's slot in a table, given up on drop (which the mapping does
+/// just before it unmaps).
+struct Registration(&'static Slot);
 
-fn register((addr, len): (usize, usize)) -> Registration {
-    for (s, l) in STARTS.iter().zip(LENS.iter()) {
-        if s.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            l.store(len, Ordering::Release);
-            return Registration(addr);
+/// Takes a free slot of `table` for the mapping at `addr` of `len` bytes;
+/// None when every slot is taken.
+fn register(table: &'static [Slot], (addr, len): (usize, usize)) -> Option<Registration> {
+    for slot in table {
+        if slot.start.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            slot.len.store(len, Ordering::Release);
+            return Some(Registration(slot));
         }
     }
-    // More live mappings than slots: this one is not covered.
-    Registration(0)
+    None
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        if self.0 == 0 {
-            return;
-        }
-        for (s, l) in STARTS.iter().zip(LENS.iter()) {
-            if s.load(Ordering::Acquire) == self.0 {
-                l.store(0, Ordering::Release);
-                s.store(0, Ordering::Release);
-                return;
-            }
-        }
+        self.0.len.store(0, Ordering::Release);
+        self.0.start.store(0, Ordering::Release);
     }
 }
 
@@ -165,9 +199,9 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
     // SAFETY: the kernel passes a valid siginfo_t; si_addr is the fault
     // address for SIGBUS. Only atomics and async-signal-safe calls follow.
     let addr = unsafe { (*info).si_addr() } as usize;
-    for (s, l) in STARTS.iter().zip(LENS.iter()) {
-        let start = s.load(Ordering::Acquire);
-        let len = l.load(Ordering::Acquire);
+    for slot in &TABLE {
+        let start = slot.start.load(Ordering::Acquire);
+        let len = slot.len.load(Ordering::Acquire);
         if start != 0 && len != 0 && addr >= start && addr < start + len {
             // SAFETY: replaces exactly our own mapping [start, start+len)
             // with private anonymous memory; nothing else lives there.
@@ -218,15 +252,54 @@ mod tests {
         f.set_len(8192).unwrap();
         let r = map_region(&f, 0, 8192, 0).unwrap();
         let (start, _) = r.mapping().host_range();
-        let registered = || STARTS.iter().any(|s| s.load(Ordering::Acquire) == start);
+        let registered = || TABLE.iter().any(|s| s.start.load(Ordering::Acquire) == start);
         assert!(registered());
         drop(r);
         assert!(!registered(), "unregistered before it is unmapped");
     }
 
+    #[test]
+    fn with_the_table_full_an_unsealed_file_is_refused_and_a_sealed_one_mapped() {
+        // A table of its own: the process-wide one is shared with the
+        // other tests.
+        static SMALL: [Slot; 2] = [const { Slot::new() }; 2];
+        let in_table = |m: &Arc<Mapping>| SMALL.iter().any(|s| s.start.load(Ordering::Acquire) == m.host_range().0);
+        let f = tempfile();
+        f.set_len(4 * 4096).unwrap();
+        let (a, _) = map_shared_in(&SMALL, &f, 4096, 0).unwrap();
+        let (b, skip) = map_shared_in(&SMALL, &f, 4096, 4096 + 512).unwrap();
+        assert_eq!(skip, 4096 + 512);
+        assert!(!a.sealed() && in_table(&a) && in_table(&b));
+        // Full: the unsealed file (it could shrink under the mapping) is
+        // refused, with the error a DMA_MAP answers ENOSPC.
+        let e = map_shared_in(&SMALL, &f, 4096, 2 * 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::StorageFull, "{e}");
+        assert!(e.to_string().contains("refused"), "{e}");
+        // A sealed one cannot shrink: mapped, outside the table.
+        let sealed = sealable_tempfile();
+        sealed.set_len(4096).unwrap();
+        let (s, _) = map_shared_in(&SMALL, &sealed, 4096, 0).unwrap();
+        assert!(s.sealed() && !in_table(&s));
+        // A slot given up is taken again.
+        drop(a);
+        let (c, _) = map_shared_in(&SMALL, &f, 4096, 2 * 4096).unwrap();
+        assert!(in_table(&c));
+        drop((b, c, s));
+        assert!(SMALL.iter().all(|s| s.start.load(Ordering::Acquire) == 0), "every slot given up");
+    }
+
     fn tempfile() -> File {
         // SAFETY: memfd_create with a static C name; the fd is checked.
         let fd = unsafe { libc::memfd_create(c"vhostd-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we own.
+        unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+    }
+
+    /// A memfd that can be sealed (as QEMU's are).
+    fn sealable_tempfile() -> File {
+        // SAFETY: memfd_create with a static C name; the fd is checked.
+        let fd = unsafe { libc::memfd_create(c"vhostd-test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         assert!(fd >= 0);
         // SAFETY: a fresh descriptor we own.
         unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) }

@@ -200,7 +200,12 @@ fn bar0_memory() -> io::Result<OwnedFd> {
 }
 
 fn errno(e: &io::Error) -> Errno {
-    Errno(e.raw_os_error().unwrap_or(libc::EIO))
+    match (e.raw_os_error(), e.kind()) {
+        (Some(n), _) => Errno(n),
+        // memory::map_shared: the SIGBUS handler's table is full.
+        (None, io::ErrorKind::StorageFull) => Errno::ENOSPC,
+        (None, _) => Errno::EIO,
+    }
 }
 
 impl Dev {
