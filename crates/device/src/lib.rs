@@ -132,6 +132,12 @@ impl Ring {
         Ring { queue, batch, call, counters: RingCounters::default() }
     }
 
+    /// Replaces the call descriptor (the driver's interrupt moved) and
+    /// returns the old one; the ring runs on.
+    pub fn set_call(&mut self, call: Option<EventFd>) -> Option<EventFd> {
+        std::mem::replace(&mut self.call, call)
+    }
+
     /// Takes the ring apart (it stops): the queue, the batch, the call descriptor.
     pub fn into_parts(self) -> (Queue, Batch, Option<EventFd>) {
         (self.queue, self.batch, self.call)

@@ -90,6 +90,13 @@ impl Served {
         }
     }
 
+    /// Gives running ring `slot` of group `group` a new call descriptor in
+    /// place (see `WorkerHandle::set_call`); false if it is not running.
+    pub(crate) fn set_call(&self, group: usize, slot: usize, call: Option<EventFd>) -> bool {
+        let places = self.lock_places();
+        places.get(group).is_some_and(|p| self.pool.workers[p.worker].set_call(self.key(group), slot, call))
+    }
+
     /// Takes ring `slot` of group `group` back from its worker. The wait
     /// (for the ring's requests in flight: as long as a hung disk takes)
     /// is made without the places lock, so `ctl list` and the balancer's

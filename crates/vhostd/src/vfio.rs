@@ -10,7 +10,8 @@
 //!   are accepted and never reached.
 //! - queue_enable (once DRIVER_OK is set) attaches the ring; the call
 //!   descriptor is the MSI-X vector's eventfd from SET_IRQS. A vector's
-//!   eventfd that changes under a running ring restarts the ring with it.
+//!   eventfd that changes under a running ring (or the ring's vector) is
+//!   swapped in place on its worker: the ring does not stop.
 //! - Rings run only while Bus Master Enable (PCI command bit 2) is set:
 //!   clearing it stops them (parked with their state, as for an unmap),
 //!   setting it starts the enabled ones again, or for the first time (a
@@ -245,7 +246,7 @@ impl Dev {
                     }
                 }
                 Effect::QueueEnabled(q) => self.start_ring(q as usize),
-                Effect::QueueVector(q) => self.restart(q as usize),
+                Effect::QueueVector(q) => self.update_call(q as usize),
                 Effect::Notify(q) => {
                     if let Some(k) = self.rings.get(q as usize).and_then(|r| r.kick_tx.as_ref()) {
                         let _ = k.write(1);
@@ -255,9 +256,21 @@ impl Dev {
         }
     }
 
-    /// Stops ring `i` and starts it again (a new call eventfd).
-    fn restart(&mut self, i: usize) {
-        if self.rings.get(i).is_some_and(|r| r.running.is_some()) {
+    /// Queue `i`'s call eventfd: its MSI-X vector's (a copy), if any.
+    fn call_of(&self, i: usize) -> Option<EventFd> {
+        let vector = self.pci.queue(i as u16)?.vector;
+        self.msix.get(vector as usize)?.as_ref()?.try_clone().ok()
+    }
+
+    /// Gives running ring `i` its vector's eventfd as call, in place: the
+    /// worker swaps it between two passes; the ring does not stop (nothing
+    /// waits here for a blk ring's requests in flight).
+    fn update_call(&mut self, i: usize) {
+        let Some(place) = self.rings.get(i).and_then(|r| r.running) else { return };
+        let call = self.call_of(i);
+        if !self.served.set_call(place.group, place.slot, call) {
+            // Not on its worker after all (a bug): start it afresh.
+            tracing::warn!(ring = i, "running ring not found on its worker: restarting it");
             self.stop_ring(i);
             self.start_ring(i);
         }
@@ -343,8 +356,8 @@ impl Dev {
                 }
             }
         }
-        let call = self.msix.get(regs.vector as usize).and_then(|c| c.as_ref()).and_then(|c| c.try_clone().ok());
         let kick = r.kick.take();
+        let call = self.call_of(i);
         let start = Start { queue, kick, call, err: None, features: self.features, inflight: None };
         self.served.attach(place.group, place.slot, start);
         self.rings[i].running = Some(place);
@@ -516,11 +529,11 @@ impl VfioDevice for Dev {
             // MSI-X is not MASKABLE: the server refuses masking.
             _ => return Err(Errno::EINVAL),
         }
-        // Running rings on a changed vector take the new eventfd.
+        // Running rings on a changed vector take the new eventfd (in place).
         for i in 0..self.queue_count() {
             let v = self.pci.queue(i as u16).map_or(vpci::NO_VECTOR, |q| q.vector) as usize;
             if changed.contains(&v) {
-                self.restart(i);
+                self.update_call(i);
             }
         }
         Ok(())

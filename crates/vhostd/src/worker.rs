@@ -62,6 +62,9 @@ enum Cmd {
     Attach { key: GroupKey, slot: usize, start: Box<Start>, reply: Sender<()> },
     /// Stop processing a ring and give it back.
     Detach { key: GroupKey, slot: usize, reply: Sender<Option<Returned>> },
+    /// Give a running ring another call descriptor; replies whether the
+    /// ring was there.
+    SetCall { key: GroupKey, slot: usize, call: Option<EventFd>, reply: Sender<bool> },
     /// Report counters.
     Stats { reply: Sender<WorkerReport> },
 }
@@ -162,6 +165,15 @@ impl WorkerHandle {
         let (reply, rx) = channel();
         self.send(Cmd::Detach { key, slot, reply });
         rx.recv().ok().flatten()
+    }
+
+    /// Gives running ring `slot` of a group a new call descriptor in
+    /// place, between two passes: nothing stops, nothing waits for its
+    /// requests in flight. False if no ring is attached there.
+    pub fn set_call(&self, key: GroupKey, slot: usize, call: Option<EventFd>) -> bool {
+        let (reply, rx) = channel();
+        self.send(Cmd::SetCall { key, slot, call, reply });
+        rx.recv().unwrap_or(false)
     }
 
     /// Current counters.
@@ -560,6 +572,9 @@ impl Worker {
                     let _ = reply.send(());
                 }
                 Cmd::Detach { key, slot, reply } => self.start_detach(key, slot, reply),
+                Cmd::SetCall { key, slot, call, reply } => {
+                    let _ = reply.send(self.set_call(key, slot, call));
+                }
                 Cmd::Stats { reply } => {
                     let _ = reply.send(self.report());
                 }
@@ -664,6 +679,19 @@ impl Worker {
         let mut ring = Ring::new(queue, batch, call);
         u.group.attach(slot, &mut ring, features, inflight);
         u.rings[slot] = Some(ring);
+    }
+
+    /// Gives ring `slot` of a group `call` in place of its call descriptor.
+    fn set_call(&mut self, key: GroupKey, slot: usize, call: Option<EventFd>) -> bool {
+        let Some(k) = self.unit_of(key) else { return false };
+        let Some(Some(ring)) = self.units[k].rings.get_mut(slot) else { return false };
+        // An interrupt sent since the driver moved it went to the old
+        // descriptor: one on the new covers it (as attach sends one).
+        if let Some(c) = &call {
+            let _ = c.write(1);
+        }
+        drop(ring.set_call(call));
+        true
     }
 
     /// Asks ring `slot` of a group to stop and replies with it once nothing

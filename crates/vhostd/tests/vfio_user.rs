@@ -174,6 +174,13 @@ fn get_id(c: &mut Client, m: &Memory, irq: &EventFd, n: u16) -> (u16, Vec<u8>, u
 
 /// Posts a GET_ID request as avail entry `n` (no doorbell).
 fn post_get_id(m: &Memory, n: u16) {
+    post_request(m, n, 8, 0, 20); // VIRTIO_BLK_T_GET_ID
+}
+
+/// Posts a request of type `ty` at `sector` with `len` bytes of data the
+/// device writes (GET_ID, a read) as avail entry `n` (no doorbell): a
+/// chain of header, data, status.
+fn post_request(m: &Memory, n: u16, ty: u32, sector: u64, len: u32) {
     let desc = |i: u64, addr: u64, len: u32, flags: u16, next: u16| {
         let mut d = Vec::new();
         d.extend_from_slice(&addr.to_le_bytes());
@@ -182,10 +189,13 @@ fn post_get_id(m: &Memory, n: u16) {
         d.extend_from_slice(&next.to_le_bytes());
         m.write(DESC + 16 * i, &d);
     };
-    m.write(HDR, &[8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]); // VIRTIO_BLK_T_GET_ID
+    let mut hdr = ty.to_le_bytes().to_vec();
+    hdr.extend_from_slice(&[0; 4]);
+    hdr.extend_from_slice(&sector.to_le_bytes());
+    m.write(HDR, &hdr);
     m.write(STATUS, &[0xff]);
     desc(0, HDR, 16, 1, 1);
-    desc(1, DATA, 20, 3, 2);
+    desc(1, DATA, len, 3, 2);
     desc(2, STATUS, 1, 2, 0);
     m.write(AVAIL + 4 + 2 * u64::from(n % 16), &0u16.to_le_bytes());
     m.write(AVAIL + 2, &(n + 1).to_le_bytes());
@@ -287,12 +297,21 @@ fn a_request_goes_through_doorbell_and_msix_vector() {
     assert_eq!((used, status), (1, 0));
     assert_eq!(&serial[..11], b"vfio-serial");
 
+    // The client moves vector 0 to another eventfd under the running
+    // ring: the next completion interrupts through that one.
+    let irq2 = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq2)]).unwrap();
+    let (used, _, status) = get_id(&mut c, &m, &irq2, 1);
+    assert_eq!((used, status), (2, 0));
+    // And back (the rest of the test waits on `irq`).
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+
     // Unmapping the ring's memory succeeds (as under an IOMMU): the ring
     // stops, keeps its place, and resumes when the memory is back.
     c.dma_unmap(0, MEM, 0).unwrap();
     c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
-    let (used, _, status) = get_id(&mut c, &m, &irq, 1);
-    assert_eq!((used, status), (2, 0), "the ring resumed where it stopped");
+    let (used, _, status) = get_id(&mut c, &m, &irq, 2);
+    assert_eq!((used, status), (3, 0), "the ring resumed where it stopped");
 
     // Status 0 resets: the queue is disabled, the status reads 0.
     w(&mut c, 0x14, 0, 1);
@@ -305,7 +324,7 @@ fn a_request_goes_through_doorbell_and_msix_vector() {
     assert_eq!(r(&mut c, 0x14, 1), 0);
     assert_eq!(c.dma_unmap(0, MEM, 0).map_err(|e| e.to_string()), Err(errno_text(Errno::ENOENT)), "maps dropped");
     let stats = d.stop();
-    assert_eq!(stats.queue(0, "get_ids"), 2);
+    assert_eq!(stats.queue(0, "get_ids"), 3);
 }
 
 #[test]
@@ -452,6 +471,56 @@ fn device_reset_puts_config_space_back_to_power_on() {
     drop(c);
     let stats = d.stop();
     assert_eq!(stats.queue(0, "get_ids"), 2);
+}
+
+/// Moving a running ring's MSI-X vector to another eventfd does not stop
+/// the ring: with a read in flight on a disk that hangs, SET_IRQS is
+/// answered at once (a stop would wait for the read, on the thread that
+/// serves every connection), and the read's completion interrupts through
+/// the new eventfd once the disk answers.
+#[test]
+fn a_new_msix_eventfd_reaches_a_running_ring_without_stopping_it() {
+    if !needs_root("a FUSE disk that hangs") {
+        return;
+    }
+    let dir = tempdir();
+    let disk = HangingDisk::mount(&dir, 1 << 20);
+    let backend = format!("file,path={}", disk.disk().display());
+    let d = Daemon::start_with(None, |sock| {
+        ["blk", "--transport", "vfio-user", "--mode", "interrupt", "--backend", &backend, "--socket-path"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([sock.display().to_string()])
+            .collect()
+    });
+    let mut c = client(&d);
+    let m = Memory::new();
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    let old = EventFd::new(EFD_NONBLOCK).unwrap();
+    let trig = wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER;
+    c.set_irqs(MSIX, trig, 0, 1, &[], &[bfd(&old)]).unwrap();
+    driver_setup(&mut c);
+    // A read (VIRTIO_BLK_T_IN) of 4 KiB the disk holds.
+    let held = disk.hold();
+    post_request(&m, 0, 0, 8, 4096);
+    w(&mut c, NOTIFY, 0, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(used_idx(&m), 0, "the held read completed");
+    let new = EventFd::new(EFD_NONBLOCK).unwrap();
+    c.stream().set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let t = std::time::Instant::now();
+    let r = c.set_irqs(MSIX, trig, 0, 1, &[], &[bfd(&new)]);
+    assert!(r.is_ok(), "SET_IRQS not answered while a read is in flight: {r:?}");
+    assert!(t.elapsed() < Duration::from_secs(1), "SET_IRQS took {:?}", t.elapsed());
+    assert_eq!(used_idx(&m), 0, "the held read completed");
+    let _ = (old.read(), new.read());
+    held.release();
+    let (used, _, status) = wait_used(&m, &new, 1);
+    assert_eq!((used, status), (1, 0));
+    assert!(!wait_readable(old.as_raw_fd(), 0), "the replaced eventfd was signalled");
+    drop(c);
+    let stats = d.stop();
+    assert_eq!(stats.queue(0, "reads"), 1);
 }
 
 fn errno_text(e: Errno) -> String {
