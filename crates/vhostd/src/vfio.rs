@@ -588,6 +588,7 @@ impl VfioDevice for Dev {
         // nothing the previous owner programmed (bus master, MSI-X
         // enable, BARs) outlives it. QEMU clears bus master and disables
         // MSI-X before it, and zeroes the BARs after.
+        tracing::info!("the client reset the device (DEVICE_RESET)");
         self.reset_all();
         self.pci.function_reset();
         Ok(())
