@@ -809,6 +809,15 @@ impl VirtioUser {
         self.fe.set_vring_addr(q.index(), &cfg).map_err(vh("SET_VRING_ADDR"))
     }
 
+    /// The connection's socket (to wait on: readable means the backend
+    /// closed it, as nothing is sent unasked).
+    pub fn socket(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: the descriptor is `fe`'s, open as long as self is: the
+        // borrow cannot outlive it.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fe.as_raw_fd()) }
+    }
+
     /// Whether the backend closed the socket (a non-blocking check).
     pub fn backend_gone(&self) -> bool {
         use std::os::unix::io::AsRawFd;

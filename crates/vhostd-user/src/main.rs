@@ -4,11 +4,12 @@
 //! workloads (the same engine, so the two devices compare directly).
 
 use clap::{Parser, Subcommand, ValueEnum};
+use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use vhostd_user::blk::workload::{self, Workload};
+use vhostd_user::blk::workload::{self, IoQueue, Workload};
 use vhostd_user::{
     blk, build_udp_frame, features, scsi, DirtyLog, NetStats, Options, RxQueue, TxQueue, VirtQueue, VirtioUser,
 };
@@ -30,6 +31,7 @@ enum Cmd {
     /// p90=.. p99=.. p999=.. max=..` (mbps: 10^6 bytes/s; verify adds
     /// `verify=ok|mismatch [first_mismatch=OFFSET] blocks=.. flush=..`),
     /// then `reordered=N`: completions that overtook earlier requests.
+    /// With --idle, then `idle seconds=.. calls=..`.
     /// Exits 1 on any request error or mismatch.
     Blk(BlkArgs),
     /// Drive one unit of a virtio-scsi vhost-user backend with the same
@@ -113,9 +115,9 @@ struct BlkArgs {
     /// mapped page when offered, else REGION_WRITEs).
     #[arg(long, value_enum, default_value_t = Transport::VhostUser)]
     transport: Transport,
-    /// What to do.
-    #[arg(long, value_enum)]
-    mode: BlkMode,
+    /// What to do (optional with --idle: then no workload).
+    #[arg(long, value_enum, required_unless_present = "idle")]
+    mode: Option<BlkMode>,
     /// Bytes per request: a multiple of 512 (suffixes k, m: KiB, MiB).
     #[arg(long, default_value = "4096", value_parser = parse_bs)]
     bs: u32,
@@ -164,6 +166,16 @@ struct BlkArgs {
     /// Fail when no request completes for this many seconds.
     #[arg(long, default_value = "30", value_parser = parse_duration)]
     stall_timeout: f64,
+    /// After the workload (without --mode: right after the set-up), keep
+    /// the device set up, its queues running and nothing in flight for
+    /// this many seconds, asleep on the call eventfds with calls enabled
+    /// (an idle guest), then tear down as usual; prints `idle seconds=..
+    /// calls=..` (calls: interrupts that came meanwhile). What the device
+    /// costs while its driver does nothing (bench/idle-cpu). The line
+    /// `vhostd-user: idle for SECS s from T` on stderr marks its start (T:
+    /// seconds since the epoch).
+    #[arg(long, value_parser = parse_duration)]
+    idle: Option<f64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -653,9 +665,9 @@ fn print_connected(a: &BlkArgs, dev: &VirtioUser) {
     );
 }
 
-/// The workload the options ask for.
-fn io_workload(a: &BlkArgs) -> Workload {
-    let mode = match a.mode {
+/// The workload the options ask for (`mode`: --mode).
+fn io_workload(a: &BlkArgs, mode: BlkMode) -> Workload {
+    let mode = match mode {
         BlkMode::Randread => workload::Mode::RandRead,
         BlkMode::Randwrite => workload::Mode::RandWrite,
         BlkMode::Read => workload::Mode::Read,
@@ -693,9 +705,43 @@ fn io_end(dev: VirtioUser) {
     }
 }
 
+/// What a blk or scsi run did: the workload's report (--mode) and the
+/// idle period's (--idle).
+struct IoOutcome {
+    report: Option<workload::Report>,
+    idle: Option<workload::IdleReport>,
+}
+
+/// Runs the workload with `run` (when --mode is given), then the idle
+/// period (--idle) watching `peer`, the connection, on set-up `queues`.
+fn io_run<Q: IoQueue>(
+    a: &BlkArgs,
+    queues: &mut [Q],
+    peer: BorrowedFd<'_>,
+    run: impl FnOnce(&mut [Q], &Workload) -> Result<workload::Report, vhostd_user::Error>,
+) -> Result<IoOutcome, String> {
+    let report = match a.mode {
+        Some(mode) => Some(run(queues, &io_workload(a, mode)).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let idle = match a.idle {
+        // An interrupted workload (a signal) stops here too.
+        Some(secs) if !STOP.load(Ordering::Relaxed) => {
+            // The start in wall-clock time, for a script relating its own
+            // samples to it (bench/idle-cpu).
+            let from = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            eprintln!("vhostd-user: idle for {secs} s from {:.6} (seconds since the epoch)", from.as_secs_f64());
+            let d = Duration::from_secs_f64(secs);
+            Some(workload::idle(queues, d, Some(&STOP), Some(peer)).map_err(|e| format!("idle: {e}"))?)
+        }
+        _ => None,
+    };
+    Ok(IoOutcome { report, idle })
+}
+
 /// `run_blk` over vfio-user: the same queues and workload engine, set up
 /// through the virtio-pci registers.
-fn run_blk_vfio(a: &BlkArgs) -> Result<workload::Report, String> {
+fn run_blk_vfio(a: &BlkArgs) -> Result<IoOutcome, String> {
     if a.dirty_log.on() {
         return Err("--dirty-log is vhost-user only".into());
     }
@@ -735,14 +781,14 @@ fn run_blk_vfio(a: &BlkArgs) -> Result<workload::Report, String> {
     if let Some(cpu) = a.cpu {
         pin_to(cpu)?;
     }
-    let report = workload::run(&mut queues, cfg.capacity, &io_workload(a), Some(&STOP)).map_err(|e| e.to_string())?;
+    let out = io_run(a, &mut queues, dev.socket(), |q, w| workload::run(q, cfg.capacity, w, Some(&STOP)))?;
     if let Err(e) = dev.disconnect() {
         eprintln!("vhostd-user: warning: reset at the end: {e}");
     }
-    Ok(report)
+    Ok(out)
 }
 
-fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
+fn run_blk(a: &BlkArgs) -> Result<IoOutcome, String> {
     if a.transport == Transport::VfioUser {
         return run_blk_vfio(a);
     }
@@ -776,12 +822,12 @@ fn run_blk(a: &BlkArgs) -> Result<workload::Report, String> {
     }
     let qs: Vec<&VirtQueue> = queues.iter().map(|q| &q.queue).collect();
     let _log = io_start(a, &mut dev, &qs)?;
-    let report = workload::run(&mut queues, cfg.capacity, &io_workload(a), Some(&STOP)).map_err(|e| e.to_string())?;
+    let out = io_run(a, &mut queues, dev.socket(), |q, w| workload::run(q, cfg.capacity, w, Some(&STOP)))?;
     io_end(dev);
-    Ok(report)
+    Ok(out)
 }
 
-fn run_scsi(s: &ScsiArgs) -> Result<workload::Report, String> {
+fn run_scsi(s: &ScsiArgs) -> Result<IoOutcome, String> {
     let a = &s.io;
     if a.transport != Transport::VhostUser {
         return Err("--transport vfio-user: blk only".into());
@@ -835,24 +881,30 @@ fn run_scsi(s: &ScsiArgs) -> Result<workload::Report, String> {
     );
     let qs: Vec<&VirtQueue> = queues.iter().map(|q| &q.queue).collect();
     let _log = io_start(a, &mut dev, &qs)?;
-    let report =
-        scsi::workload::run(&mut queues, unit.bytes(), &io_workload(a), Some(&STOP)).map_err(|e| e.to_string())?;
+    let out = io_run(a, &mut queues, dev.socket(), |q, w| scsi::workload::run(q, unit.bytes(), w, Some(&STOP)))?;
     io_end(dev);
-    Ok(report)
+    Ok(out)
 }
 
-/// Prints a blk or scsi workload's summary; the exit status.
-fn io_main(r: Result<workload::Report, String>) -> ExitCode {
+/// Prints a blk or scsi run's summaries; the exit status.
+fn io_main(r: Result<IoOutcome, String>) -> ExitCode {
     match r {
-        Ok(r) => {
-            println!("{}", r.summary());
-            if let Some(e) = &r.first_error {
-                eprintln!("vhostd-user: {} errors, the first: {e}", r.errors);
+        Ok(IoOutcome { report, idle }) => {
+            let mut passed = true;
+            if let Some(r) = report {
+                println!("{}", r.summary());
+                if let Some(e) = &r.first_error {
+                    eprintln!("vhostd-user: {} errors, the first: {e}", r.errors);
+                }
+                if let Some(o) = r.mismatch {
+                    eprintln!("vhostd-user: verify: data read back differs, first at byte offset {o}");
+                }
+                passed = r.passed();
             }
-            if let Some(o) = r.mismatch {
-                eprintln!("vhostd-user: verify: data read back differs, first at byte offset {o}");
+            if let Some(i) = idle {
+                println!("{}", i.summary());
             }
-            if r.passed() {
+            if passed {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

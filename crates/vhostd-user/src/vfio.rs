@@ -408,6 +408,11 @@ impl VfioBlk {
         &mut self.mem
     }
 
+    /// The connection's socket (to wait on).
+    pub fn socket(&self) -> BorrowedFd<'_> {
+        self.client.stream().as_fd()
+    }
+
     /// The connection (for requests this type does not wrap).
     pub fn client(&mut self) -> &mut Client {
         &mut self.client

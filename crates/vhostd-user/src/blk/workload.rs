@@ -703,6 +703,127 @@ pub fn wait_any<Q: IoQueue>(queues: &mut [Q], timeout: Duration) -> Result<(), E
     Ok(())
 }
 
+/// What an idle period (`idle`) saw.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct IdleReport {
+    /// How long it lasted.
+    pub seconds: f64,
+    /// Calls (interrupts) that came meanwhile: none is expected, as nothing
+    /// was in flight.
+    pub calls: u64,
+    /// Ended early by the stop flag.
+    pub interrupted: bool,
+}
+
+impl IdleReport {
+    /// One line for scripts: `idle seconds=.. calls=..`, then
+    /// `interrupted=1` if stopped by the stop flag.
+    pub fn summary(&self) -> String {
+        let mut s = format!("idle seconds={:.3} calls={}", self.seconds, self.calls);
+        if self.interrupted {
+            s.push_str(" interrupted=1");
+        }
+        s
+    }
+}
+
+/// Keeps `queues` set up and running with nothing in flight for `duration`
+/// (or until `stop` is set), as an idle guest does: calls enabled, the
+/// thread asleep in poll(2) on the call eventfds and on `peer` (the
+/// connection's socket: the device closing it ends the wait with an
+/// error), with no timer but the end of the period. Calls that come are
+/// counted; a completion is an error, as nothing was submitted. For
+/// measuring what the device costs while its driver does nothing.
+pub fn idle<Q: IoQueue>(
+    queues: &mut [Q],
+    duration: Duration,
+    stop: Option<&AtomicBool>,
+    peer: Option<std::os::fd::BorrowedFd<'_>>,
+) -> Result<IdleReport, Error> {
+    use std::os::unix::io::AsRawFd;
+    if queues.len() > 63 {
+        return Err(Error::Config(format!("{} queues: idle watches at most 63", queues.len())));
+    }
+    if let Some(q) = queues.iter().find(|q| q.in_flight() != 0) {
+        return Err(Error::Config(format!("{} requests in flight: idle needs idle queues", q.in_flight())));
+    }
+    let completed = |queues: &mut [Q]| -> Result<usize, Error> {
+        let mut n = 0;
+        for q in queues.iter_mut() {
+            n += q.poll_io(|_, _| {})?;
+        }
+        Ok(n)
+    };
+    for q in queues.iter_mut() {
+        q.virtqueue().ring.enable_notifications();
+    }
+    // Calls from before (the one a device sends as a ring starts, the
+    // workload's last ones) are not the idle period's.
+    for q in queues.iter_mut() {
+        q.virtqueue().take_calls();
+    }
+    let unexpected = |n: usize| Error::Config(format!("{n} completions while nothing was in flight"));
+    match completed(queues)? {
+        0 => {}
+        n => return Err(unexpected(n)),
+    }
+    let mut fds = [libc::pollfd { fd: -1, events: libc::POLLIN, revents: 0 }; 64];
+    for (p, q) in fds.iter_mut().zip(queues.iter_mut()) {
+        p.fd = q.virtqueue().call_fd().as_raw_fd();
+    }
+    let nq = queues.len();
+    let n = match peer {
+        Some(fd) => {
+            fds[nq] = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
+            nq + 1
+        }
+        None => nq,
+    };
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut rep = IdleReport::default();
+    loop {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            rep.interrupted = true;
+            break;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        // Rounded up: waking a millisecond early would only wake again.
+        let ms = (deadline - now).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        for p in fds[..n].iter_mut() {
+            p.revents = 0;
+        }
+        // SAFETY: `fds` holds n valid pollfds for the duration of the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), n as libc::nfds_t, ms) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::Io(e));
+        }
+        if n > nq && fds[nq].revents != 0 {
+            // Nothing is sent unasked: readable means closed (or broken).
+            return Err(Error::Config(format!(
+                "the device closed the connection {:.3} s into the idle period",
+                start.elapsed().as_secs_f64()
+            )));
+        }
+        for q in queues.iter_mut() {
+            rep.calls += q.virtqueue().take_calls();
+        }
+        match completed(queues)? {
+            0 => {}
+            n => return Err(unexpected(n)),
+        }
+    }
+    rep.seconds = start.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
