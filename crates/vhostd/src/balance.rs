@@ -5,7 +5,10 @@
 //! second and smoothed (each sample half the estimate). No flapping: a
 //! move needs the same imbalance (between the same two workers) in
 //! `STEADY` samples in a row, a margin on both sides (hysteresis), and the
-//! configured interval since the last move. Pinned groups stay.
+//! configured interval since the last move. Pinned groups stay. Asking
+//! for a sample wakes every worker, so while none has done any work since
+//! a sample that left no load, the balancer skips it (`slept_through`):
+//! an idle pool's workers sleep undisturbed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -55,6 +58,13 @@ pub fn choose_move(groups: &[GroupLoad], workers: usize, cpu_hz: u64) -> Option<
         .map(|(i, _)| (i, lo))
 }
 
+/// Whether no worker did any work between two readings of the workers'
+/// `WorkerHandle::rest`, `seen` then `now`: each is asleep now, with the
+/// busy passes it had then. One awake now may be working: it is asked.
+fn slept_through(seen: &[u64], now: &[u64]) -> bool {
+    seen.len() == now.len() && seen.iter().zip(now).all(|(&s, &n)| n & 1 == 1 && s >> 1 == n >> 1)
+}
+
 /// Each worker's load: its groups' summed.
 fn worker_loads(groups: &[GroupLoad], workers: usize) -> Vec<u64> {
     let mut load = vec![0u64; workers];
@@ -87,10 +97,22 @@ fn run(daemon: Weak<Daemon>, every: Duration) {
     // Smoothed busy cycles per second of each group: one sample's dip or
     // spike (a frontend descheduled) does not decide a move.
     let mut smooth: HashMap<(u64, usize), u64> = HashMap::new();
+    // The workers' `rest` after the last sample, and whether that sample
+    // left no load anywhere (every smoothed load 0).
+    let mut rest_seen: Vec<u64> = Vec::new();
+    let mut quiet = false;
     loop {
         std::thread::sleep(Duration::from_secs(1));
         let Some(d) = daemon.upgrade() else { return };
         let Some(pool) = d.pool.clone() else { return };
+        // No worker did any work since a sample that found no load: this
+        // one would find none either (no load to decay, no move), and
+        // asking for it wakes every worker, once a second, on an idle host.
+        let rest: Vec<u64> = pool.workers.iter().map(|w| w.rest()).collect();
+        if quiet && slept_through(&rest_seen, &rest) {
+            at = Instant::now();
+            continue;
+        }
         let entries = d.devices.list();
         let reports = d.reports(&entries, false);
         let secs = at.elapsed().as_secs_f64().max(0.001);
@@ -116,6 +138,9 @@ fn run(daemon: Weak<Daemon>, every: Duration) {
         }
         last = now;
         smooth = smooth_now;
+        quiet = smooth.values().all(|&l| l == 0);
+        // After the reports: the workers' waking to answer them is seen.
+        rest_seen = pool.workers.iter().map(|w| w.rest()).collect();
         let per_worker = worker_loads(&groups, pool.workers.len());
         tracing::debug!(
             load = ?per_worker,
@@ -191,6 +216,21 @@ mod tests {
         assert_eq!(choose_move(&groups, 2, HZ), Some((1, 1)));
         groups[1].pinned = true;
         assert_eq!(choose_move(&groups, 2, HZ), None);
+    }
+
+    #[test]
+    fn a_sample_is_skipped_only_while_every_worker_slept_without_work() {
+        // Worker 0 asleep after 5 busy passes, worker 1 awake after 7.
+        let seen = [5 * 2 + 1, 7 * 2];
+        // Both asleep, no pass since: nothing to sample.
+        assert!(slept_through(&seen, &[5 * 2 + 1, 7 * 2 + 1]));
+        // Worker 1 worked before it slept again.
+        assert!(!slept_through(&seen, &[5 * 2 + 1, 9 * 2 + 1]));
+        // Worker 0 is awake: it may be working (no pass stored yet).
+        assert!(!slept_through(&seen, &[5 * 2, 7 * 2 + 1]));
+        // The pool changed size.
+        assert!(!slept_through(&seen, &[5 * 2 + 1]));
+        assert!(slept_through(&[], &[]));
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! of any ring (kicks, broken rings, malformed chains).
 
 use std::os::unix::io::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -120,6 +120,8 @@ pub struct WorkerHandle {
     tx: Sender<Cmd>,
     wake: EventFd,
     pending: Arc<AtomicBool>,
+    /// See `rest`.
+    rest: Arc<AtomicU64>,
     thread: std::sync::Mutex<Option<JoinHandle<WorkerReport>>>,
 }
 
@@ -174,6 +176,15 @@ impl WorkerHandle {
         let (reply, rx) = channel();
         self.send(Cmd::SetCall { key, slot, call, reply });
         rx.recv().unwrap_or(false)
+    }
+
+    /// Whether the worker has done work, read without waking it: its busy
+    /// passes so far times two, plus one while it sleeps. The worker
+    /// stores it as it falls asleep and as it wakes, never per pass. The
+    /// same odd value read twice means it did no work in between: it slept
+    /// throughout, or woke only for commands or spurious events.
+    pub fn rest(&self) -> u64 {
+        self.rest.load(Ordering::Acquire)
     }
 
     /// Current counters.
@@ -304,6 +315,8 @@ struct Worker {
     /// Handed to groups placed here: wakes this worker.
     waker: Waker,
     pending: Arc<AtomicBool>,
+    /// `WorkerHandle::rest`.
+    rest: Arc<AtomicU64>,
     /// The pool's: set at shutdown.
     stop: Arc<AtomicBool>,
     epoll: Epoll,
@@ -366,6 +379,7 @@ pub fn spawn(
     let (tx, cmds) = channel();
     let wake = EventFd::new(EFD_NONBLOCK)?;
     let pending = Arc::new(AtomicBool::new(false));
+    let rest = Arc::new(AtomicU64::new(0));
     let epoll = Epoll::new()?;
     epoll.ctl(ControlOperation::Add, wake.as_raw_fd(), EpollEvent::new(EventSet::IN, WAKE_TOKEN))?;
     let waker = Waker::new(wake.try_clone()?);
@@ -377,6 +391,7 @@ pub fn spawn(
         wake: wake.try_clone()?,
         waker,
         pending: pending.clone(),
+        rest: rest.clone(),
         stop,
         epoll,
         idle_iters: 0,
@@ -398,7 +413,7 @@ pub fn spawn(
         }
         worker.run()
     })?;
-    Ok(WorkerHandle { tx, wake, pending, thread: std::sync::Mutex::new(Some(thread)) })
+    Ok(WorkerHandle { tx, wake, pending, rest, thread: std::sync::Mutex::new(Some(thread)) })
 }
 
 fn pin_to_cpu(cpu: usize) {
@@ -882,7 +897,10 @@ impl Worker {
     /// Sleeps until an event, or `timeout_ms` (-1: no timeout).
     fn sleep(&mut self, timeout_ms: i32) {
         let mut events = [EpollEvent::default(); 16];
-        let n = match self.epoll.wait(timeout_ms, &mut events) {
+        self.rest.store(self.busy_iters * 2 + 1, Ordering::Release);
+        let r = self.epoll.wait(timeout_ms, &mut events);
+        self.rest.store(self.busy_iters * 2, Ordering::Release);
+        let n = match r {
             Ok(n) => n,
             Err(_) => return,
         };

@@ -449,6 +449,46 @@ fn eighty_connected_idle_devices_take_under_one_percent_of_a_cpu() {
     drop(frontends);
 }
 
+/// Times threads whose names start with `prefix` went to sleep and woke
+/// (their voluntary context switches), summed.
+fn wakeups(pid: u32, prefix: &str) -> u64 {
+    let mut n = 0;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with(prefix) {
+            continue;
+        }
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        let v = status.lines().find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"));
+        n += v.map_or(0, |v| v.trim().parse::<u64>().unwrap());
+    }
+    n
+}
+
+/// The balancer (on by default) does not wake an idle pool's workers: its
+/// once-a-second sample is skipped while none has worked since one that
+/// found no load. (It used to ask every worker for its counters each
+/// second: a wake-up per worker per second on an idle host.)
+#[test]
+fn the_balancer_leaves_an_idle_pool_asleep() {
+    let _one = serial();
+    let d = PoolDaemon::start(&["--workers", "2"]);
+    let sock = d.path("b0.sock");
+    d.ok(&["add", "blk", "--name", "b0", "--socket-path", sock.to_str().unwrap(), "--backend", "null,size=1M"]);
+    let mut opts = Options::blk(&sock);
+    opts.mem_size = 4 << 20;
+    let mut dev = VirtioUser::connect(opts).expect("connect");
+    let q = dev.blk_queue(0, 16, 4096).unwrap();
+    // A sample or two to find the pool idle.
+    std::thread::sleep(Duration::from_millis(2500));
+    let w0 = wakeups(d.pid(), "vhostd-w");
+    std::thread::sleep(Duration::from_secs(4));
+    let woke = wakeups(d.pid(), "vhostd-w") - w0;
+    assert!(woke <= 1, "idle workers woke {woke} times in 4 s; stderr:\n{}", d.stderr());
+    drop(q);
+    drop(dev);
+}
+
 /// Frames device `name` has taken from its guest (TX queue 1), from the
 /// control socket; None if the daemon did not answer within its timeout.
 fn tx_packets(d: &PoolDaemon, name: &str) -> Option<u64> {
