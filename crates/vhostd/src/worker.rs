@@ -212,7 +212,8 @@ pub enum Mode {
     /// Spin while rings are attached (kicks suppressed with NO_NOTIFY).
     Poll,
     /// Spin while there is work and for `idle` after the last work, kicks
-    /// suppressed; then ask for kicks, re-check, and sleep.
+    /// suppressed; then ask for kicks, re-check, and sleep. A wake-up that
+    /// finds no work goes back to sleep at once.
     Adaptive {
         /// How long to keep spinning without work before sleeping.
         idle: std::time::Duration,
@@ -339,6 +340,9 @@ struct Worker {
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Tokens of a group's event descriptor: this bit and the unit's position.
 const EVENT_TOKEN: u64 = 1 << 62;
+/// `idle_run` of an adaptive worker that has found no work since it woke.
+/// (A run of idle passes cannot reach it: it ends within the idle window.)
+const WOKE_IDLE: u32 = u32::MAX;
 /// Most `pause` instructions between two polls of idle rings (about a microsecond).
 const MAX_BACKOFF: u32 = 32;
 /// The cap after a pass that moved a full burst from a driver that does not
@@ -437,6 +441,7 @@ impl Worker {
         // (taken on the first idle pass after work), in the clock's ticks.
         let (clock, idle_ticks) = IdleClock::for_mode(self.mode);
         let mut last_work = 0u64;
+        // Idle passes in a row, or WOKE_IDLE: none since the worker woke.
         let mut idle_run = 0u32;
         loop {
             if self.pending.load(Ordering::Acquire) {
@@ -479,6 +484,11 @@ impl Worker {
             let spin = match self.mode {
                 Mode::Poll => true,
                 Mode::Interrupt => false,
+                // Woken, and no work since: back to sleep without spinning
+                // the idle window. What woke it was a command, a spurious
+                // event, or a kick whose work it had taken while spinning
+                // (the kick waits in its eventfd): none says more is coming.
+                Mode::Adaptive { .. } if idle_run == WOKE_IDLE => false,
                 Mode::Adaptive { .. } => {
                     if idle_run == 0 {
                         last_work = clock.now();
@@ -515,6 +525,7 @@ impl Worker {
             }
             self.sleep(if deferred { BLOCKED_SLEEP_MS } else { -1 });
             self.disable_notifications();
+            idle_run = WOKE_IDLE;
         }
         self.report()
     }

@@ -1334,10 +1334,10 @@ fn a_worker_sleeps_after_its_split_ring_broke_with_chains_behind_the_bad_head() 
         std::thread::sleep(Duration::from_millis(500));
         let (i1, c1) = (idle(vd), thread_ticks(vd.d.pid(), "vhostd-q0"));
         let (passes, ticks) = (i1 - i0, c1 - c0);
-        // Each stats query wakes the worker, and adaptive mode then spins
-        // 100 us (64 passes at least; more where `pause` is short) before
-        // sleeping again: hundreds of passes. Waking every millisecond, as
-        // it did, makes tens of thousands.
+        // Each stats query wakes the worker, which finds no work and goes
+        // back to sleep: a pass or two (it used to spin the 100 us idle
+        // window first: hundreds). Waking every millisecond, as it did,
+        // makes tens of thousands.
         assert!(
             passes < 5000 && ticks <= 5,
             "worker 0 made {passes} idle passes and used {ticks} of 50 CPU ticks in 0.5 s on a broken ring"
