@@ -811,7 +811,21 @@ impl VhostUserBackendReqHandlerMut for Session {
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         self.check_index(index as u32)?;
         let call = to_eventfd(fd)?;
-        self.with_ring_stopped(index as usize, |v| v.call = call)
+        let i = index as usize;
+        // A running ring takes it in place, between two passes: QEMU sends
+        // one whenever the guest masks or moves the ring's MSI-X vector,
+        // and stopping the ring would wait for its requests in flight (as
+        // long as a hung disk takes) on the thread serving every frontend.
+        if let Some(place) = self.vrings[i].running {
+            let spare = call.as_ref().and_then(|c| c.try_clone().ok());
+            if call.is_none() || spare.is_some() {
+                if self.dev.set_call(place.group, place.slot, call) {
+                    return Ok(());
+                }
+                return self.with_ring_stopped(i, |v| v.call = spare);
+            }
+        }
+        self.with_ring_stopped(i, |v| v.call = call)
     }
 
     fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {

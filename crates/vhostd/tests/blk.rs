@@ -1418,3 +1418,57 @@ fn adaptive_mode_sleeps_when_idle_and_wakes_on_a_kick() {
     expect_counters(&s, 0, &q.want);
     assert!(s.queue(0, "kicks") >= 3, "kicks {}", s.queue(0, "kicks"));
 }
+
+/// QEMU sends SET_VRING_CALL whenever the guest masks or moves a ring's
+/// MSI-X vector. A running ring takes the new call eventfd in place: with
+/// a read in flight on a disk that hangs, the message is handled at once
+/// (stopping the ring would wait for the read, on the thread serving every
+/// frontend), and the read, once the disk answers, completes on the ring
+/// as it was.
+#[test]
+fn set_vring_call_reaches_a_running_ring_without_stopping_it() {
+    if !needs_root("a FUSE disk that hangs") {
+        return;
+    }
+    let dir = tempdir();
+    let disk = HangingDisk::mount(&dir, 1 << 20);
+    let d = start_blk(&file_backend(&disk.disk(), ""), &["--mode", "interrupt"]);
+    let mut dev = connect(&d, false);
+    let mut q = dev.blk_queue(0, 4, 4096).unwrap();
+    let held = disk.hold();
+    assert!(q.submit(BlkOp::Read { sector: 0, len: 4096 }, 7, |_| {}).unwrap());
+    q.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(q.poll(|_, _| {}).unwrap(), 0, "the held read completed");
+
+    // SET_VRING_CALL, then GET_FEATURES: its answer shows the session
+    // handled the call first. Both from another thread, so that a session
+    // stuck on the held read fails the test instead of hanging it.
+    let new = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+    let new2 = new.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t0 = std::time::Instant::now();
+    let h = std::thread::spawn(move || {
+        dev.frontend().set_vring_call(0, &new2).unwrap();
+        let r = dev.frontend().get_features();
+        let _ = tx.send(t0.elapsed());
+        r.map(|_| dev)
+    });
+    let answered = rx.recv_timeout(Duration::from_secs(3));
+    held.release();
+    let dev = h.join().unwrap().expect("GET_FEATURES after SET_VRING_CALL");
+    let took = answered.expect("SET_VRING_CALL was not handled while a read was in flight");
+    assert!(took < Duration::from_secs(1), "SET_VRING_CALL and GET_FEATURES took {took:?}");
+
+    // The read completes on the same ring, and interrupts the new eventfd.
+    let mut done = Vec::new();
+    assert!(wait_until(T, || {
+        q.poll(|c, _| done.push((c.user, c.status))).unwrap();
+        !done.is_empty()
+    }));
+    assert_eq!(done, vec![(7, status::OK)]);
+    assert_eq!(new.read().ok().map(|n| n > 0), Some(true), "the new call eventfd was never signalled");
+    dev.disconnect().unwrap();
+    let s = d.stop();
+    assert_eq!(s.queue(0, "reads"), 1);
+}
