@@ -25,12 +25,15 @@
 //!               accesses that reach the device read zeros)
 //! ```
 //!
-//! Interrupts are MSI-X only: the interrupt pin is 0 and the ISR always
-//! reads 0.
+//! Interrupts are MSI-X only: the interrupt pin is 0. The ISR holds only
+//! the configuration change bit, set by [`VirtioPci::config_changed`]
+//! (virtio 1.2, 4.1.4.5.1: set before the notification, MSI-X or not) and
+//! cleared by reading it; the queue interrupt bit stays 0 (MSI-X only).
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use vhostd_device::Device;
@@ -66,6 +69,8 @@ pub const MSIX_PBA_OFF: u32 = 0x800;
 pub const MAX_VECTORS: u16 = 128;
 /// "No vector" in msix_config / queue_msix_vector.
 pub const NO_VECTOR: u16 = 0xffff;
+/// The ISR's Device Configuration Interrupt bit (virtio 1.2, 4.1.4.5).
+pub const ISR_CONFIG: u8 = 0x2;
 
 /// Device status bits (virtio 1.2, 2.1).
 pub mod status {
@@ -159,6 +164,9 @@ pub struct VirtioPci {
     msix_config: u16,
     status: u8,
     generation: u8,
+    /// The ISR status byte: read-to-clear, hence atomic (reads take
+    /// `&self`).
+    isr: AtomicU8,
     queue_select: u16,
     queues: Vec<QueueRegs>,
 }
@@ -215,6 +223,7 @@ impl VirtioPci {
             msix_config: NO_VECTOR,
             status: 0,
             generation: 0,
+            isr: AtomicU8::new(0),
             queue_select: 0,
             queues: Vec::new(),
         };
@@ -267,6 +276,7 @@ impl VirtioPci {
         self.driver_features = 0;
         self.msix_config = NO_VECTOR;
         self.status = 0;
+        self.isr.store(0, Ordering::Relaxed);
         self.queue_select = 0;
         self.queues = (0..self.dev.queues())
             .map(|_| QueueRegs { size: max, vector: NO_VECTOR, enabled: false, desc: 0, driver: 0, device: 0 })
@@ -323,6 +333,25 @@ impl VirtioPci {
         }
     }
 
+    /// The device configuration changed (net's link status): the
+    /// generation moves on (a driver reading the config across it reads
+    /// again) and the ISR's configuration bit is set. Returns the MSI-X
+    /// vector the transport must signal: msix_config, if the driver set
+    /// one, the device is DRIVER_OK and Bus Master Enable is set (MSI-X is
+    /// a memory write); else None (a driver not ready yet reads the config
+    /// when it is).
+    pub fn config_changed(&mut self) -> Option<u16> {
+        self.generation = self.generation.wrapping_add(1);
+        self.isr.fetch_or(ISR_CONFIG, Ordering::Relaxed);
+        let ready = self.status & status::DRIVER_OK != 0 && self.bus_master();
+        (ready && self.msix_config != NO_VECTOR).then_some(self.msix_config)
+    }
+
+    /// The config_generation register.
+    pub fn generation(&self) -> u8 {
+        self.generation
+    }
+
     /// Features offered: the device's, VERSION_1 always (a modern device).
     pub fn offered(&self) -> u64 {
         self.dev.features() | ring_features::VERSION_1
@@ -330,8 +359,8 @@ impl VirtioPci {
 
     /// Reads config space; `off + data.len()` must lie inside it (bytes
     /// outside read as 0). A read of pci_cfg_data reads the BAR through
-    /// the PCI cfg access window (its first cap.length bytes; BAR reads
-    /// have no side effects, so nothing changes).
+    /// the PCI cfg access window (its first cap.length bytes; of BAR
+    /// reads only the ISR's has a side effect: it clears it).
     pub fn config_read(&self, off: u64, data: &mut [u8]) {
         let mut window = None;
         for (i, b) in data.iter_mut().enumerate() {
@@ -402,7 +431,8 @@ impl VirtioPci {
     }
 
     /// Reads `data.len()` bytes at `off` of BAR `bar`. Bytes outside the
-    /// structures read as 0.
+    /// structures read as 0. A read covering the ISR byte clears it
+    /// (virtio 1.2, 4.1.4.5), as the only read with a side effect.
     pub fn bar_read(&self, bar: u32, off: u64, data: &mut [u8]) {
         data.fill(0);
         if bar != 0 {
@@ -419,8 +449,9 @@ impl VirtioPci {
                     data.copy_from_slice(&b);
                 }
             }
+        } else if off <= ISR_OFF && end > ISR_OFF {
+            data[(ISR_OFF - off) as usize] = self.isr.swap(0, Ordering::Relaxed);
         }
-        // ISR: MSI-X only, nothing is ever pending there.
     }
 
     /// Writes `data` at `off` of BAR `bar`; returns what the transport must

@@ -422,3 +422,46 @@ fn a_function_reset_restores_config_space_and_a_virtio_reset_keeps_it() {
     assert_eq!(cfg32(&p, 0x10), !(BAR0_SIZE as u32 - 1));
     assert_eq!(p.config_write(0x04, &[0x06]), vec![Effect::BusMaster(true)]);
 }
+
+#[test]
+fn a_config_change_moves_the_generation_sets_the_isr_and_names_the_vector() {
+    let mut p = model();
+    let generation = |p: &VirtioPci| rd(p, 0x15, 1) as u8;
+    assert_eq!(generation(&p), 0);
+    // Before the driver is ready: no vector to signal, but the change
+    // shows (generation, ISR).
+    assert_eq!(p.config_changed(), None);
+    assert_eq!(generation(&p), 1);
+    assert_eq!(p.generation(), 1);
+    assert_eq!(rd(&p, ISR_OFF, 1) as u8, ISR_CONFIG);
+    assert_eq!(rd(&p, ISR_OFF, 1), 0, "reading the ISR clears it");
+    // A driver with msix_config set, DRIVER_OK but no bus master: none.
+    negotiate(&mut p, ring_features::VERSION_1);
+    wr(&mut p, 0x10, 2, 2);
+    assert_eq!(rd(&p, 0x10, 2), 2);
+    assert_eq!(wr(&mut p, 0x14, 1, 0xf), vec![Effect::DriverOk]);
+    assert_eq!(p.config_changed(), None);
+    p.config_write(0x04, &[0x06]);
+    assert_eq!(p.config_changed(), Some(2));
+    assert_eq!(generation(&p), 3);
+    // A 4-byte read over the ISR (through the PCI cfg window too) clears it.
+    window(&mut p, 0, ISR_OFF as u32, 4);
+    assert_eq!(cfg32(&p, 0xa0), u32::from(ISR_CONFIG));
+    assert_eq!(rd(&p, ISR_OFF, 4), 0);
+    // No vector (NO_VECTOR, or one past the table): nothing to signal.
+    wr(&mut p, 0x10, 2, u64::from(NO_VECTOR));
+    assert_eq!(p.config_changed(), None);
+    wr(&mut p, 0x10, 2, 3);
+    assert_eq!(rd(&p, 0x10, 2), u64::from(NO_VECTOR), "3 vectors: 0..=2");
+    assert_eq!(p.config_changed(), None);
+    // The generation wraps; a reset keeps it (it only ever moves on) and
+    // clears the ISR.
+    for _ in 0..300 {
+        p.config_changed();
+    }
+    assert_eq!(generation(&p), ((5 + 300) % 256) as u8);
+    wr(&mut p, 0x14, 1, 0);
+    assert_eq!(rd(&p, ISR_OFF, 1), 0);
+    assert_eq!(generation(&p), ((5 + 300) % 256) as u8);
+    assert_eq!(p.config_changed(), None, "msix_config reset to NO_VECTOR");
+}
