@@ -76,6 +76,18 @@ pub trait Device: Send + Sync {
     fn announce(&self, _mac: [u8; 6]) -> bool {
         false
     }
+    /// The link state the device's config reports, when it follows a
+    /// host interface's (net over a TAP or AF_XDP): a transport that keeps
+    /// the config itself notices a change (the host's link events) and
+    /// tells the driver. None: nothing to follow.
+    fn link_up(&self) -> Option<bool> {
+        None
+    }
+    /// Whether a driver that acked `features` reads the link state (net:
+    /// VIRTIO_NET_F_STATUS), so that a change is worth an interrupt.
+    fn link_reported(&self, _features: u64) -> bool {
+        false
+    }
     /// The negotiated features that matter, for the log ("mergeable rx").
     fn describe_features(&self, _features: u64) -> String {
         String::new()

@@ -171,6 +171,14 @@ impl Device for NetDevice {
         Some(bytes[off..end].to_vec())
     }
 
+    fn link_up(&self) -> Option<bool> {
+        self.shared.link.as_ref().map(Link::up)
+    }
+
+    fn link_reported(&self, features: u64) -> bool {
+        features & features::STATUS != 0
+    }
+
     /// The virtio-net config space is read-only for the driver.
     fn write_config(&self, _offset: u32, _data: &[u8], _features: u64) -> bool {
         false
