@@ -21,6 +21,11 @@
 //! hangs. Such a message goes, with its connection, to a thread of its own
 //! (`vhostd-fe-wait`) that brings the connection back when done; the
 //! device's other events wait for it, every other device is served.
+//!
+//! It also hears the host's link events (`link_events`: an rtnetlink
+//! socket in its epoll set, no timer): on one, each vfio-user connection
+//! checks its device's link state and, if it changed, tells the driver
+//! (a configuration change interrupt; `VfioConn::link_event`).
 
 use std::collections::VecDeque;
 use std::io;
@@ -37,6 +42,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::connection::{Conn, Step};
 use crate::endpoint::Endpoint;
+use crate::link_events::LinkEvents;
 use crate::registry::DeviceEntry;
 use crate::spec::Transport;
 use crate::vfio::VfioConn;
@@ -113,6 +119,12 @@ impl Frontends {
         let (tx, rx) = channel();
         let wake = EventFd::new(EFD_NONBLOCK)?;
         let (back_tx, back_rx) = channel();
+        // Made here, before the seccomp filter (socket and bind are
+        // building calls). Without it (netlink refused) links are still
+        // read live, but a guest over vfio-user hears of no change.
+        let links = LinkEvents::new()
+            .inspect_err(|e| tracing::warn!("no link events (vfio-user guests miss link changes): {e}"))
+            .ok();
         let lp = Loop {
             epoll: Epoll::new()?,
             wake: wake.try_clone()?,
@@ -124,8 +136,12 @@ impl Frontends {
             back_rx,
             next_id: 0,
             stopping: false,
+            links,
         };
         lp.epoll.ctl(ControlOperation::Add, lp.wake.as_raw_fd(), EpollEvent::new(EventSet::IN, WAKE))?;
+        if let Some(l) = &lp.links {
+            lp.epoll.ctl(ControlOperation::Add, l.fd(), EpollEvent::new(EventSet::IN, LINKS))?;
+        }
         let thread = std::thread::Builder::new().name("vhostd-frontends".into()).spawn(move || lp.run())?;
         Ok(Frontends { tx: Mutex::new(tx), wake, thread: Mutex::new(Some(thread)) })
     }
@@ -161,6 +177,8 @@ impl Frontends {
 }
 
 const WAKE: u64 = u64::MAX;
+/// The link events socket.
+const LINKS: u64 = u64::MAX - 1;
 /// Tokens: a device's slot, shifted, and which of its descriptors.
 const LISTENER: u64 = 0;
 const CONNECTION: u64 = 1;
@@ -247,6 +265,8 @@ struct Loop {
     next_id: u64,
     /// Shutting down: nothing more goes away.
     stopping: bool,
+    /// The host's link events, if netlink could be had.
+    links: Option<LinkEvents>,
 }
 
 impl Loop {
@@ -273,6 +293,10 @@ impl Loop {
                     }
                     continue;
                 }
+                if t == LINKS {
+                    self.link_events();
+                    continue;
+                }
                 let slot = (t >> 1) as usize;
                 if t & 1 == LISTENER {
                     self.accept(slot);
@@ -288,6 +312,24 @@ impl Loop {
                 }
             }
             self.retry_clients();
+        }
+    }
+
+    /// The host's links changed: each vfio-user connection checks its
+    /// device's (vhost-user frontends keep the net config themselves).
+    fn link_events(&mut self) {
+        if !self.links.as_ref().is_some_and(LinkEvents::drain) {
+            return;
+        }
+        for slot in 0..self.devs.len() {
+            // A connection away (ending) is not told.
+            if !matches!(self.devs[slot], Some(Dev { conn: Some(Link::Vfio(_)), .. })) {
+                continue;
+            }
+            let _span = self.span(slot);
+            if let Some(Some(Dev { conn: Some(Link::Vfio(c)), .. })) = self.devs.get_mut(slot) {
+                c.link_event();
+            }
         }
     }
 

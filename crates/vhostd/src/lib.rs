@@ -23,6 +23,7 @@ pub mod connection;
 pub mod control;
 pub mod endpoint;
 pub mod frontends;
+pub mod link_events;
 pub mod man;
 pub mod memory;
 pub mod metrics;

@@ -79,7 +79,9 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_clock_gettime,
     libc::SYS_gettimeofday,
     // Sockets: vhost-user connections (accept, --client reconnects,
-    // SCM_RIGHTS), the control socket, metrics, AF_XDP wake-ups.
+    // SCM_RIGHTS), the control socket, metrics, AF_XDP wake-ups, the
+    // host's link events (an rtnetlink socket read with recvfrom; made
+    // and bound before the filter: link_events.rs).
     libc::SYS_accept,
     libc::SYS_accept4,
     libc::SYS_connect,

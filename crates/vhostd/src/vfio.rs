@@ -27,6 +27,13 @@
 //!   MSI-X eventfd (the next client starts afresh). DEVICE_RESET, a
 //!   function-level reset, also puts the PCI config space back to its
 //!   power-on values; status 0 leaves it alone.
+//! - Configuration changes: net's link status follows a host interface
+//!   (`Device::link_up`). The frontends thread hears the host's link
+//!   events (rtnetlink) and calls [`VfioConn::link_event`]: when the
+//!   state differs from the last seen, config_generation moves on, the
+//!   ISR's configuration bit is set and the msix_config vector's eventfd
+//!   is signalled (a driver that is DRIVER_OK, acked VIRTIO_NET_F_STATUS
+//!   and set the vector): the guest's driver reads the status again.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -91,6 +98,8 @@ struct Dev {
     /// Poll mode: BAR0's backing memory, of which the doorbell page is
     /// offered to the client to map.
     bar0_fd: Option<OwnedFd>,
+    /// The device's link state as last seen (None: it follows none).
+    link_seen: Option<bool>,
 }
 
 /// One vfio-user connection being served.
@@ -123,6 +132,7 @@ impl VfioConn {
             rings: (0..nq).map(|_| Ring::default()).collect(),
             features: 0,
             bar0_fd,
+            link_seen: served.device.link_up(),
         };
         Ok(VfioConn { server, dev, refused: 0 })
     }
@@ -173,6 +183,32 @@ impl VfioConn {
             }
         }
         Step::More
+    }
+
+    /// The host's links changed (an rtnetlink event, any interface): if
+    /// the device's link state is not the one last seen, its config
+    /// changed and the driver hears of it (config_generation, ISR, the
+    /// msix_config vector). True if it changed.
+    pub fn link_event(&mut self) -> bool {
+        let d = &mut self.dev;
+        let now = d.served.device.link_up();
+        if now == d.link_seen {
+            return false;
+        }
+        d.link_seen = now;
+        let vector = d.pci.config_changed();
+        let reported = d.served.device.link_reported(d.features);
+        let irq = vector.filter(|_| reported).and_then(|v| d.msix.get(v as usize)?.as_ref());
+        tracing::info!(
+            up = now.unwrap_or(false),
+            interrupt = irq.is_some(),
+            "link state changed: config generation {}",
+            d.pci.generation()
+        );
+        if let Some(e) = irq {
+            let _ = e.write(1);
+        }
+        true
     }
 
     /// Ends the connection: every ring stopped, the device reset, every
