@@ -6,7 +6,8 @@
 //! device specs); `build` makes devices and endpoints from them and places
 //! their queue groups on a `pool` of `worker`s (`balance` moves them);
 //! `server` is the main loop and the `Daemon` that adds and removes
-//! devices; `frontends` serves every device's `endpoint` on one thread;
+//! devices; `frontends` serves every device's `endpoint` on one thread
+//! (and hears the host's `link_events` for vfio-user net devices);
 //! `connection` serves one vhost-user connection (the `vhost` crate's
 //! handler and a shim), driving a `session`, which drives the device (the
 //! `vhostd_device::Device` trait) and its rings on the workers; `vfio`
