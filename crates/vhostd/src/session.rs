@@ -584,7 +584,7 @@ impl Session {
         if !region.mapping().sealed() {
             tracing::warn!(
                 "memory region at {gpa:#x} is a file that cannot be sealed against shrinking (not a memfd): \
-                 a frontend that truncates it would crash vhostd"
+                 if the frontend truncates it, vhostd turns the region into zeros and the device asks for a reset"
             );
         }
         Ok(region)
