@@ -15,11 +15,11 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
+use common::bar0::{r, w};
 use common::*;
 use vhostd_vfio_user::{wire, Client};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-const BAR0: u32 = 0;
 const CONFIG: u32 = 7;
 const MSIX: u32 = 2;
 /// virtio-net's status field, in the device config (BAR0 0x2000).
@@ -32,16 +32,6 @@ const CONFIG_VECTOR: u16 = 3;
 const BOUND_MS: i32 = 5000;
 /// How long to wait for an interrupt that must not come.
 const QUIET_MS: i32 = 700;
-
-fn w(c: &mut Client, off: u64, v: u64, len: usize) {
-    c.region_write(BAR0, off, &v.to_le_bytes()[..len]).unwrap();
-}
-
-fn r(c: &mut Client, off: u64, len: usize) -> u64 {
-    let mut b = [0u8; 8];
-    c.region_read(BAR0, off, &mut b[..len]).unwrap();
-    u64::from_le_bytes(b)
-}
 
 fn fired(e: &EventFd, ms: i32) -> bool {
     let mut p = libc::pollfd { fd: e.as_raw_fd(), events: libc::POLLIN, revents: 0 };

@@ -17,6 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::process::Stdio;
 use std::time::Duration;
 
+use common::bar0::{r, w};
 use common::*;
 use vhostd_vfio_user::{wire, Client, ClientError, Errno, SparseArea};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -117,14 +118,14 @@ impl Drop for Memory {
     }
 }
 
-fn w(c: &mut Client, off: u64, v: u64, len: usize) {
-    c.region_write(BAR0, off, &v.to_le_bytes()[..len]).unwrap();
+/// Maps all of `m` at IOVA 0, readable and writable (as QEMU maps RAM).
+fn map_all(c: &mut Client, m: &Memory) {
+    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
 }
 
-fn r(c: &mut Client, off: u64, len: usize) -> u64 {
-    let mut b = [0u8; 8];
-    c.region_read(BAR0, off, &mut b[..len]).unwrap();
-    u64::from_le_bytes(b)
+/// Makes `irq` MSI-X vector 0's eventfd.
+fn set_vector0(c: &mut Client, irq: &EventFd) {
+    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(irq)]).unwrap();
 }
 
 /// PCI command register bits: memory space, bus master.
@@ -289,9 +290,9 @@ fn a_request_goes_through_doorbell_and_msix_vector() {
     let d = start(&["--mode", "interrupt"]);
     let mut c = client(&d);
     let m = Memory::new();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    set_vector0(&mut c, &irq);
     driver_setup(&mut c);
     let (used, serial, status) = get_id(&mut c, &m, &irq, 0);
     assert_eq!((used, status), (1, 0));
@@ -300,16 +301,16 @@ fn a_request_goes_through_doorbell_and_msix_vector() {
     // The client moves vector 0 to another eventfd under the running
     // ring: the next completion interrupts through that one.
     let irq2 = EventFd::new(EFD_NONBLOCK).unwrap();
-    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq2)]).unwrap();
+    set_vector0(&mut c, &irq2);
     let (used, _, status) = get_id(&mut c, &m, &irq2, 1);
     assert_eq!((used, status), (2, 0));
     // And back (the rest of the test waits on `irq`).
-    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    set_vector0(&mut c, &irq);
 
     // Unmapping the ring's memory succeeds (as under an IOMMU): the ring
     // stops, keeps its place, and resumes when the memory is back.
     c.dma_unmap(0, MEM, 0).unwrap();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     let (used, _, status) = get_id(&mut c, &m, &irq, 2);
     assert_eq!((used, status), (3, 0), "the ring resumed where it stopped");
 
@@ -332,9 +333,9 @@ fn the_pci_cfg_access_window_drives_the_device_like_bar0() {
     let d = start(&["--mode", "interrupt"]);
     let mut c = client(&d);
     let m = Memory::new();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    set_vector0(&mut c, &irq);
     let cap = pci_cfg_cap(&mut c);
     // Reads: num_queues, the device config (capacity 1 MiB in sectors).
     assert_eq!(r_cfg(&mut c, cap, 0x12, 2), 1);
@@ -378,9 +379,9 @@ fn rings_run_only_while_bus_master_is_enabled() {
     let d = start(&["--mode", "interrupt"]);
     let mut c = client(&d);
     let m = Memory::new();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    set_vector0(&mut c, &irq);
     // The driver sets the device up to DRIVER_OK with memory space on but
     // bus master off: the ring waits, a request stays untouched.
     command(&mut c, CMD_MEMORY);
@@ -437,9 +438,9 @@ fn device_reset_puts_config_space_back_to_power_on() {
     let mut c = client(&d);
     let power_on = config_space(&mut c);
     let m = Memory::new();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-    c.set_irqs(MSIX, wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER, 0, 1, &[], &[bfd(&irq)]).unwrap();
+    set_vector0(&mut c, &irq);
     // The previous owner: BARs placed, interrupt line, MSI-X enabled, the
     // PCI cfg access window set, bus master on, a request served.
     c.region_write(CONFIG, 0x10, &0xfebf_0000u32.to_le_bytes()).unwrap();
@@ -495,7 +496,7 @@ fn a_new_msix_eventfd_reaches_a_running_ring_without_stopping_it() {
     });
     let mut c = client(&d);
     let m = Memory::new();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     let old = EventFd::new(EFD_NONBLOCK).unwrap();
     let trig = wire::IRQ_SET_DATA_EVENTFD | wire::IRQ_SET_ACTION_TRIGGER;
     c.set_irqs(MSIX, trig, 0, 1, &[], &[bfd(&old)]).unwrap();
@@ -663,7 +664,7 @@ fn scsi_hotplug_events_reach_the_event_queue_and_its_vector() {
     let d = start_scsi(&sock_ctl);
     let mut c = client(&d);
     let m = Memory::new();
-    c.dma_map(0, MEM, 0, wire::DMA_MAP_FLAG_READ | wire::DMA_MAP_FLAG_WRITE, Some(m.fd.as_fd())).unwrap();
+    map_all(&mut c, &m);
     // Vector 1 is the event queue's.
     let none = EventFd::new(EFD_NONBLOCK).unwrap();
     let irq = EventFd::new(EFD_NONBLOCK).unwrap();

@@ -659,3 +659,22 @@ pub mod image {
         r as u64
     }
 }
+
+/// A vfio-user client's accesses to BAR0, the virtio-pci structures (in
+/// the layout of vhostd-virtio-pci: common config at 0, device config at
+/// 0x2000).
+pub mod bar0 {
+    use vhostd_vfio_user::Client;
+
+    /// Writes the low `len` bytes of `v` at `off`.
+    pub fn w(c: &mut Client, off: u64, v: u64, len: usize) {
+        c.region_write(0, off, &v.to_le_bytes()[..len]).unwrap();
+    }
+
+    /// Reads `len` bytes at `off`, little-endian.
+    pub fn r(c: &mut Client, off: u64, len: usize) -> u64 {
+        let mut b = [0u8; 8];
+        c.region_read(0, off, &mut b[..len]).unwrap();
+        u64::from_le_bytes(b)
+    }
+}
