@@ -277,7 +277,11 @@ pub(crate) fn take_single(
         return false;
     }
     let Some(seg) = mem.seg(addr, len, hint) else { return false };
-    seg.prefetch(write);
+    if !write {
+        // As in the packed ring's pop4: buffers to write are the caller's
+        // to prefetch.
+        seg.prefetch();
+    }
     let seg_start = batch.segs.len() as u32;
     batch.segs.push(seg);
     batch.chains.push(Chain {

@@ -644,15 +644,11 @@ impl Default for Seg {
 }
 
 impl Seg {
-    /// Starts fetching the segment's first line, for writing if the device
-    /// will write it (no effect on correctness).
+    /// Starts fetching the segment's first line for reading (no effect on
+    /// correctness).
     #[inline(always)]
-    pub(crate) fn prefetch(&self, write: bool) {
-        if write {
-            prefetch_write(self.addr)
-        } else {
-            prefetch(self.addr)
-        }
+    pub(crate) fn prefetch(&self) {
+        prefetch(self.addr)
     }
 
     /// Length in bytes (never 0 in a chain).

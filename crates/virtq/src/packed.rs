@@ -449,8 +449,12 @@ impl PackedQueue {
             }
         }
         let write = want_dir != 0;
-        for s in &segs {
-            s.prefetch(write);
+        if !write {
+            // Buffers to read; buffers to write are the caller's to
+            // prefetch, a few at a time (see vhostd-net's RX).
+            for s in &segs {
+                s.prefetch();
+            }
         }
         let seg_start = batch.segs.len() as u32;
         for (k, s) in segs.iter().enumerate() {
