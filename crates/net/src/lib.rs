@@ -348,49 +348,48 @@ fn header_bytes(hdr: (u64, u32)) -> [u8; HDR_LEN] {
 
 /// How many RX buffers ahead of the one being written are fetched for
 /// writing, when the frames are short. All of a burst's at once (32
-/// frames, 64 lines) took a third more cycles on a Zen 4 (packed, 256
-/// entries, 64-byte frames: 97 busy cycles/packet against 65 at this
+/// frames, 64 lines) took half as many cycles again on a Zen 4 (packed,
+/// 256 entries, 64-byte frames: 97 busy cycles/packet against 65 at this
 /// distance): the lines come from the driver's CPU, and a flood of
 /// requests for them holds up the stores waiting on the first. With none
 /// at all it was as fast there, but up to a tenth slower while the lines
 /// came from farther away (that host's slow phases). Long frames are the
-/// other way round: at 1518 bytes the whole burst at once was 1.3x as fast
-/// as 8 ahead (split, 256 entries), its stores being mostly lines no
-/// prefetch covers, so they get `BURST`.
+/// other way round: at 1518 bytes the whole burst at once was 1.4x as fast
+/// as 8 ahead (split, 256 entries), their stores being mostly
+/// lines no prefetch covers, so a burst with any long frame gets `BURST`.
 const RX_PREFETCH_AHEAD: usize = 8;
 
 /// Frames up to this long fit the two lines fetched per buffer (with
 /// the 12-byte header, from a 64-aligned buffer): `RX_PREFETCH_AHEAD`
-/// applies to them.
+/// applies to bursts of them.
 const RX_SHORT_FRAME: usize = 128 - HDR_LEN;
 
-/// The prefetch distance for a burst of `frames`, judged by its first.
+/// The prefetch distance for a burst of `frames`.
 #[inline(always)]
 fn prefetch_distance(frames: &[vhostd_backends::FrameBuf]) -> usize {
-    match frames.first() {
-        Some(f) if f.len > RX_SHORT_FRAME => BURST,
-        _ => RX_PREFETCH_AHEAD,
+    if frames.iter().any(|f| f.len > RX_SHORT_FRAME) {
+        BURST
+    } else {
+        RX_PREFETCH_AHEAD
     }
 }
 
-/// Starts fetching the first `ahead` popped buffers.
+/// Starts fetching the popped buffers from `*next` up to (not including)
+/// `end`, and moves `*next` there: each buffer once, none skipped when a
+/// frame takes several.
 #[inline(always)]
-fn prefetch_first(batch: &Batch, ahead: usize) {
-    for i in 0..ahead.min(batch.chains.len()) {
-        prefetch_ahead_of(batch, i);
+fn prefetch_upto(batch: &Batch, next: &mut usize, end: usize) {
+    let end = end.min(batch.chains.len());
+    while *next < end {
+        prefetch_chain(batch, *next);
+        *next += 1;
     }
-}
-
-/// Starts fetching the buffer `ahead` after chain `i`.
-#[inline(always)]
-fn prefetch_ahead(batch: &Batch, i: usize, ahead: usize) {
-    prefetch_ahead_of(batch, i + ahead);
 }
 
 /// Starts fetching chain `i`'s first two lines for writing, if it exists:
 /// a header and a short frame reach into the second.
 #[inline(always)]
-fn prefetch_ahead_of(batch: &Batch, i: usize) {
+fn prefetch_chain(batch: &Batch, i: usize) {
     if let Some(chain) = batch.chains.get(i) {
         let dst = batch.writable(chain);
         dst.prefetch_write(0);
@@ -412,9 +411,9 @@ fn rx_simple(
     let hdr_len = layout.hdr_len;
     let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
     let ahead = prefetch_distance(frames);
-    prefetch_first(batch, ahead);
+    let mut fetched = 0;
     for (i, (chain, f)) in batch.chains.iter().zip(frames).enumerate() {
-        prefetch_ahead(batch, i, ahead);
+        prefetch_upto(batch, &mut fetched, i + 1 + ahead);
         let need = hdr_len + f.len;
         let dst = batch.writable(chain);
         if (chain.write_len as usize) < need {
@@ -451,10 +450,10 @@ fn rx_mergeable(
             return done;
         }
         let ahead = prefetch_distance(&frames[done..]);
-        prefetch_first(batch, ahead);
+        let mut fetched = 0;
         let mut c = 0;
         while done < frames.len() {
-            prefetch_ahead(batch, c, ahead);
+            prefetch_upto(batch, &mut fetched, c + 1 + ahead);
             let f = &frames[done];
             let need = HDR_LEN + f.len;
             if c < popped && (batch.chains[c].write_len as usize) < HDR_LEN {

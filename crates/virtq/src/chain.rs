@@ -247,11 +247,12 @@ pub(crate) fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
 /// The single-descriptor fast path both layouts take first: one direct
 /// descriptor (no NEXT, no INDIRECT), not empty, of a direction `access`
 /// allows, inside one region (what network drivers post almost always).
-/// Appends it to `batch` as chain `id` and starts fetching its first line
-/// (for writing if the device will write it: the driver touched it last,
-/// so the line is in the other core's cache, and fetching it while the
-/// rest of the batch is popped overlaps those misses). Returns false,
-/// having taken nothing, for anything else.
+/// Appends it to `batch` as chain `id` and, if the device will read it,
+/// starts fetching its first line (the driver touched it last, so the line
+/// is in the other core's cache, and fetching it while the rest of the
+/// batch is popped overlaps those misses; buffers the device writes are
+/// fetched by the caller, a few at a time). Returns false, having taken
+/// nothing, for anything else.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn take_single(
