@@ -193,7 +193,7 @@ pub fn execute(disk: &Disk, cdb: &[u8], data_out: &[u8]) -> Action {
 /// The CDB cut to its opcode's length, or the sense that refuses it: an
 /// unknown group, too few bytes, or NACA set in the CONTROL byte (ACA
 /// handling, which this target does not do; SAM-5 5.9.1.3).
-#[inline]
+#[inline(always)]
 fn whole_cdb(cdb: &[u8]) -> Result<&[u8], Sense> {
     let Some(&opcode) = cdb.first() else { return Err(Sense::INVALID_OPCODE) };
     let Some(len) = cdb_len(opcode) else { return Err(Sense::INVALID_OPCODE) };
@@ -238,9 +238,10 @@ impl From<Transfer> for Action {
 }
 
 /// READ and WRITE (6/10/12/16) checked against `disk`, as [`execute`]
-/// answers them; None for every other opcode.
-#[inline]
-pub fn transfer(disk: &Disk, cdb: &[u8]) -> Option<Transfer> {
+/// answers them; None for every other opcode. The CDB is a request
+/// header's whole field, so no index into it needs a bounds check.
+#[inline(always)]
+pub fn transfer(disk: &Disk, cdb: &[u8; wire::CDB_SIZE]) -> Option<Transfer> {
     let write = match *cdb.first()? {
         op::READ_6 | op::READ_10 | op::READ_12 | op::READ_16 => false,
         op::WRITE_6 | op::WRITE_10 | op::WRITE_12 | op::WRITE_16 => true,
@@ -533,7 +534,7 @@ fn mode_sense(disk: &Disk, cdb: &[u8]) -> Action {
 }
 
 /// LBA and transfer length of a READ, WRITE or VERIFY CDB; FUA.
-#[inline]
+#[inline(always)]
 fn lba_len(cdb: &[u8]) -> (u64, u32, bool) {
     match cdb[0] >> 5 {
         0 => {
@@ -556,7 +557,7 @@ fn in_range(disk: &Disk, lba: u64, blocks: u64) -> Result<(), Sense> {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn read_write(disk: &Disk, cdb: &[u8], write: bool) -> Transfer {
     // RDPROTECT/WRPROTECT: no protection information here.
     if cdb[0] >> 5 != 0 && cdb[1] & 0xe0 != 0 {

@@ -24,7 +24,7 @@ use virtq::{Batch, GuestBufs, IoBufs, Queue};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::device::{Board, ScsiDevice, TmfState};
-use crate::wire::{response, REQ_LEN, RESP_LEN};
+use crate::wire::{response, CDB_SIZE, REQ_LEN, RESP_LEN};
 use crate::Lun;
 use crate::{execute, op, parse_virtio_lun, report_luns, status, Action, Sense, Transfer};
 
@@ -287,7 +287,8 @@ impl ScsiQueue {
                 batch.writable(chain).prefetch_write(0);
             }
             for chain in &batch.chains {
-                self.start(chain.head, batch.readable(chain), batch.writable(chain), dev);
+                let lens = (chain.read_len as usize, chain.write_len as usize);
+                self.start(chain.head, batch.readable(chain), batch.writable(chain), lens, dev);
             }
             if n > 0 {
                 self.submit();
@@ -339,7 +340,10 @@ impl ScsiQueue {
         // The ring is out of `self` while `start` runs (it borrows all of it).
         let mut ring = std::mem::take(&mut self.ring);
         let room = self.free.len();
-        let n = ring.recover(log, q, batch, room, |head, readable, writable| self.start(head, readable, writable, dev));
+        let n = ring.recover(log, q, batch, room, |head, readable, writable| {
+            let lens = (readable.bytes(), writable.bytes());
+            self.start(head, readable, writable, lens, dev)
+        });
         self.ring = ring;
         if n > 0 {
             self.submit();
@@ -485,8 +489,16 @@ impl ScsiQueue {
         n
     }
 
-    /// Parses one chain and starts it (or finishes it at once).
-    fn start(&mut self, head: u16, readable: GuestBufs<'_>, writable: GuestBufs<'_>, dev: &ScsiDevice) {
+    /// Parses one chain (of `lens`: readable and writable bytes) and
+    /// starts it (or finishes it at once).
+    fn start(
+        &mut self,
+        head: u16,
+        readable: GuestBufs<'_>,
+        writable: GuestBufs<'_>,
+        lens: (usize, usize),
+        dev: &ScsiDevice,
+    ) {
         let Some(seq) = self.free.pop() else { return };
         self.done.push(seq);
         self.stats.commands += 1;
@@ -515,9 +527,10 @@ impl ScsiQueue {
             return;
         }
         slot.used_len = RESP_LEN as u32;
-        let data_in = writable.bytes() - RESP_LEN;
+        let (read_len, write_len) = lens;
+        let data_in = write_len.saturating_sub(RESP_LEN);
         let mut hdr = [0u8; REQ_LEN];
-        if readable.read(0, &mut hdr) < REQ_LEN {
+        if read_len < REQ_LEN || readable.read(0, &mut hdr) < REQ_LEN {
             // No whole request header: nothing to answer but the failure.
             slot.response = response::FAILURE;
             return;
@@ -525,7 +538,8 @@ impl ScsiQueue {
         // The header's fields in place (`wire::CmdReq`): lun, id, task
         // attribute, priority, crn, cdb.
         let (lun, cdb) = (&hdr[0..8], &hdr[19..REQ_LEN]);
-        let data_out = readable.bytes() - REQ_LEN;
+        let cdb_field: &[u8; CDB_SIZE] = cdb.try_into().unwrap_or(&[0; CDB_SIZE]);
+        let data_out = read_len - REQ_LEN;
         slot.id = u64::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15]]);
         // Every data byte is a residual until something moves it.
         slot.residual = (data_in.max(data_out)).min(u32::MAX as usize) as u32;
@@ -549,7 +563,7 @@ impl ScsiQueue {
             let disk = &self.units[k].lun.disk;
             slot.descriptor_sense = disk.descriptor_sense;
             // The data path: READ and WRITE, decoded without an Action.
-            if let Some(t) = crate::transfer(disk, cdb) {
+            if let Some(t) = crate::transfer(disk, cdb_field) {
                 self.start_transfer(seq, k, t, readable, writable, data_out, data_in);
                 return;
             }
@@ -682,7 +696,7 @@ impl ScsiQueue {
     /// Starts a READ or WRITE the target checked (`transfer`) on unit
     /// `k`'s backend: its data buffers are lent to it.
     #[allow(clippy::too_many_arguments)]
-    #[inline]
+    #[inline(always)]
     fn start_transfer(
         &mut self,
         seq: u32,
@@ -804,27 +818,26 @@ impl ScsiQueue {
 fn write_response(slot: &mut Slot) -> u32 {
     // The response's layout (`wire::CmdResp`): sense_len, residual,
     // status_qualifier, status, response, then sense (at most 18 bytes here).
-    let mut sense = [0u8; 18];
-    let sense_len = match slot.sense {
-        Some(s) if slot.response == response::OK => s.write(slot.descriptor_sense, &mut sense),
-        _ => 0,
-    };
     if slot.response != response::OK {
         // A transport failure or abort: the command did not run as asked.
         slot.status = status::GOOD;
         slot.used_len = RESP_LEN as u32;
     }
     // sense_len and residual; status_qualifier (0), status and response.
-    let first = sense_len as u64 | (slot.residual as u64) << 32;
+    let first = (slot.residual as u64) << 32;
     let second = (slot.status as u32) << 16 | (slot.response as u32) << 24;
-    if sense_len == 0 {
-        slot.io.write_reply_head(first, second);
-    } else {
-        let mut b = [0u8; 12 + 18];
-        b[..8].copy_from_slice(&first.to_le_bytes());
-        b[8..12].copy_from_slice(&second.to_le_bytes());
-        b[12..12 + sense_len].copy_from_slice(&sense[..sense_len]);
-        slot.io.write_reply(&b[..12 + sense_len]);
+    match slot.sense {
+        Some(s) if slot.response == response::OK => {
+            let mut b = [0u8; 12 + 18];
+            let sense_len = s.write(slot.descriptor_sense, &mut b[12..]);
+            b[..8].copy_from_slice(&(first | sense_len as u64).to_le_bytes());
+            b[8..12].copy_from_slice(&second.to_le_bytes());
+            slot.io.write_reply(&b[..12 + sense_len]);
+        }
+        // Most responses: no sense, two word stores.
+        _ => {
+            slot.io.write_reply_head(first, second);
+        }
     }
     if slot.status != status::GOOD {
         // Data-in was not (all) delivered.

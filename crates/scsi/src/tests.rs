@@ -455,12 +455,15 @@ proptest! {
                               ro: bool, discard: bool) {
         let d = Disk { read_only: ro, discard, blocks: 4096, ..disk() };
         let a = execute(&d, &cdb, &out);
-        // The data path's decoder answers READ and WRITE exactly as execute does.
+        // The data path's decoder answers READ and WRITE exactly as execute
+        // does, given the whole CDB field of a request header.
+        let mut field = [0u8; wire::CDB_SIZE];
+        field[..cdb.len()].copy_from_slice(&cdb);
         let rw = cdb.first().is_some_and(|o| matches!(o, 0x08 | 0x0a | 0x28 | 0x2a | 0xa8 | 0xaa | 0x88 | 0x8a));
-        let t = transfer(&d, &cdb);
+        let t = transfer(&d, &field);
         prop_assert_eq!(t.is_some(), rw);
         if let Some(t) = t {
-            prop_assert_eq!(Action::from(t), a.clone());
+            prop_assert_eq!(Action::from(t), execute(&d, &field, &out));
         }
         let in_disk = |lba: u64, n: u32| lba + n as u64 <= d.blocks;
         match a {

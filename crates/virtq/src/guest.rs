@@ -723,7 +723,8 @@ impl<'a> GuestBufs<'a> {
     /// (fewer when the buffers end first).
     #[inline(always)]
     pub fn read(&self, skip: usize, dst: &mut [u8]) -> usize {
-        if let [s] = self.segs {
+        // Most reads lie in the first buffer (a header before its data).
+        if let Some(s) = self.segs.first() {
             if skip <= s.len as usize && dst.len() <= s.len as usize - skip {
                 // SAFETY: skip + dst.len() <= s.len: inside the segment,
                 // which the batch's memory table keeps mapped; `dst` is
@@ -902,7 +903,21 @@ impl<'a> GuestBufs<'a> {
     /// response header). False when the buffers hold fewer bytes, the
     /// reply would take more than [`MAX_REPLY_PIECES`] pieces, or `out`
     /// holds buffers of another memory table.
+    #[inline]
     pub fn lend_front(&self, len: usize, out: &mut IoBufs) -> bool {
+        // Most often the first buffer holds it all: no sum over the rest.
+        match self.segs.first() {
+            Some(s) if s.len as usize >= len && out.can_hold(self.mem) => {
+                out.reply.clear();
+                out.reply.push(Seg { addr: s.addr, len: len as u32 });
+                out.hold(self.mem);
+                true
+            }
+            _ => self.lend_front_pieces(len, out),
+        }
+    }
+
+    fn lend_front_pieces(&self, len: usize, out: &mut IoBufs) -> bool {
         if !out.can_hold(self.mem) || self.bytes() < len {
             return false;
         }
@@ -1801,6 +1816,27 @@ mod tests {
         assert_eq!(Arc::strong_count(&mem), held, "release lets go of the table");
         io.renew_hold(&mut hold);
         assert!(hold.is_none(), "nothing lent: no hold");
+    }
+
+    #[test]
+    fn a_reply_and_a_header_in_the_first_of_several_buffers() {
+        let mem = table();
+        let segs = segs_at(&mem, &[16, 64]);
+        let v = GuestBufs::new(&segs, &mem);
+        let mut io = IoBufs::new();
+        assert!(v.lend_front(12, &mut io));
+        assert_eq!(io.write_reply(&[7; 16]), 12, "the reply is 12 bytes of the first buffer");
+        let mut got = [0u8; 16];
+        assert_eq!(v.read(0, &mut got), 16);
+        assert_eq!((&got[..12], &got[12..]), (&[7u8; 12][..], &[0xEE; 4][..]));
+        // From inside the first buffer, then across into the second.
+        assert_eq!(v.read(4, &mut got[..12]), 12);
+        assert_eq!(&got[..12], &[7, 7, 7, 7, 7, 7, 7, 7, 0xEE, 0xEE, 0xEE, 0xEE]);
+        let mut across = [0u8; 20];
+        assert_eq!(v.read(10, &mut across), 20);
+        assert_eq!(&across[..2], &[7, 7]);
+        assert!(across[2..].iter().all(|&b| b == 0xEE));
+        assert_eq!(v.read(70, &mut across), 10, "the buffers end first");
     }
 
     #[test]
