@@ -321,8 +321,41 @@ pub fn unmap_parameters(ranges: &[(u64, u32)]) -> Vec<u8> {
     v
 }
 
-/// A completed command, as `ScsiQueue::poll` reports it.
+/// A command's response header but its sense bytes: the 12 bytes the
+/// device writes for every command (`CmdResp` without `sense`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RespHeader {
+    /// Bytes of sense data the device says it wrote.
+    pub sense_len: u32,
+    /// Bytes of the data buffers not transferred.
+    pub residual: u32,
+    /// The status qualifier (SAM-5), from the device as it is.
+    pub status_qualifier: u16,
+    /// The SCSI status (GOOD, CHECK CONDITION...).
+    pub status: u8,
+    /// The transport's verdict (`response::*`).
+    pub response: u8,
+}
+
+impl RespHeader {
+    /// The fixed part of `r`.
+    pub fn of(r: &CmdResp) -> RespHeader {
+        RespHeader {
+            sense_len: r.sense_len,
+            residual: r.residual,
+            status_qualifier: r.status_qualifier,
+            status: r.status,
+            response: r.response,
+        }
+    }
+}
+
+/// A completed command, as `ScsiQueue::poll` reports it.
+///
+/// The sense bytes are copied out of the response only when the device
+/// says there are some (`sense_len` > 0), so a good command's completion
+/// stays small: no 96-byte array to zero and move per command.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScsiCompletion {
     /// The caller's tag given at submission.
     pub user: u64,
@@ -339,9 +372,13 @@ pub struct ScsiCompletion {
     pub writable_len: u32,
     /// The used length the device reported.
     pub used_len: u32,
-    /// The response header (`response` is `RESPONSE_NOT_WRITTEN` when the
-    /// device left it alone, or the chain had no room for it).
-    pub resp: CmdResp,
+    /// The response header but its sense bytes (`response` is
+    /// `RESPONSE_NOT_WRITTEN` when the device left it alone, or the chain
+    /// had no room for it); see `sense_bytes` and `cmd_resp`.
+    pub resp: RespHeader,
+    /// The sense bytes (`sense_len` of them, at most SENSE_SIZE); None
+    /// when `sense_len` is 0.
+    sense: Option<Box<[u8]>>,
     /// From `submit` to the poll that found it.
     pub latency: Duration,
     /// Submitted with `submit_raw`.
@@ -351,13 +388,29 @@ pub struct ScsiCompletion {
 impl ScsiCompletion {
     /// The sense data of the response, parsed (None without sense data).
     pub fn sense(&self) -> Option<Sense> {
-        let n = (self.resp.sense_len as usize).min(SENSE_SIZE);
-        parse_sense(&self.resp.sense[..n])
+        parse_sense(self.sense_bytes())
     }
 
     /// The sense bytes the response carries.
     pub fn sense_bytes(&self) -> &[u8] {
-        &self.resp.sense[..(self.resp.sense_len as usize).min(SENSE_SIZE)]
+        self.sense.as_deref().unwrap_or(&[])
+    }
+
+    /// The whole response header, sense bytes included (the rest of the
+    /// sense field zero).
+    pub fn cmd_resp(&self) -> CmdResp {
+        let h = &self.resp;
+        let mut r = CmdResp::new(h.response, h.status, h.residual, self.sense_bytes());
+        r.sense_len = h.sense_len;
+        r.status_qualifier = h.status_qualifier;
+        r
+    }
+
+    /// The same completion with response header `r`.
+    #[cfg(test)]
+    fn with_resp(self, r: &CmdResp) -> ScsiCompletion {
+        let n = (r.sense_len as usize).min(SENSE_SIZE);
+        ScsiCompletion { resp: RespHeader::of(r), sense: (n > 0).then(|| r.sense[..n].into()), ..self }
     }
 
     /// Data-in bytes the device says it transferred (buffer - residual).
@@ -1087,11 +1140,11 @@ impl ScsiQueue {
                 Some(at) if s.writable_len as usize >= RESP_LEN => Some(unsafe { base.add(at as usize) } as *const u8),
                 Some(_) => None,
             };
-            let resp = match resp_at {
+            let (resp, sense) = match resp_at {
                 // SAFETY: RESP_LEN bytes at `p` lie inside the slot's
                 // control block or data area (above). The device returned
                 // the chain; one that writes it anyway only changes bytes.
-                Some(p) => read_resp(unsafe { std::slice::from_raw_parts(p, RESP_LEN) }),
+                Some(p) => read_resp(unsafe { &*(p as *const [u8; RESP_LEN]) }),
                 None => not_written(),
             };
             let c = ScsiCompletion {
@@ -1103,6 +1156,7 @@ impl ScsiQueue {
                 writable_len: s.writable_len,
                 used_len: u.len,
                 resp,
+                sense,
                 latency: now.map(|t| t.saturating_duration_since(s.submitted)).unwrap_or_default(),
                 raw: s.raw_writable_at.is_some(),
             };
@@ -1183,7 +1237,9 @@ impl ScsiQueue {
         self.flush()?;
         let take = |q: &mut ScsiQueue| {
             let mut reply = None;
-            q.poll(|c, data| reply = Some(ScsiReply { completion: *c, resp: c.resp, data: data.to_vec() }))?;
+            q.poll(|c, data| {
+                reply = Some(ScsiReply { completion: c.clone(), resp: c.cmd_resp(), data: data.to_vec() })
+            })?;
             Ok(reply)
         };
         wait_some(self, |q| &mut q.queue, timeout, take)?
@@ -1280,23 +1336,41 @@ unsafe fn store_rw10_header(p: *mut u8, lun: [u8; 8], id: u64, opcode: u8, lba: 
 }
 
 /// A response header from its RESP_LEN bytes: the 12 fixed bytes, and the
-/// sense only as far as sense_len says.
+/// sense bytes (as many as sense_len says) only if there are any: a good
+/// command has none.
 #[inline(always)]
-fn read_resp(b: &[u8]) -> CmdResp {
-    let mut resp = CmdResp::new(b[11], b[10], u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &[]);
-    resp.sense_len = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    resp.status_qualifier = u16::from_le_bytes([b[8], b[9]]);
-    let n = (resp.sense_len as usize).min(SENSE_SIZE);
-    resp.sense[..n].copy_from_slice(&b[12..12 + n]);
-    resp
+fn read_resp(b: &[u8; RESP_LEN]) -> (RespHeader, Option<Box<[u8]>>) {
+    let h = RespHeader {
+        sense_len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        residual: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+        status_qualifier: u16::from_le_bytes([b[8], b[9]]),
+        status: b[10],
+        response: b[11],
+    };
+    let sense = if h.sense_len != 0 { Some(read_sense(b, h.sense_len)) } else { None };
+    (h, sense)
 }
 
-/// The response header of a chain the device could not answer in.
-fn not_written() -> CmdResp {
-    let mut r = CmdResp::new(RESPONSE_NOT_WRITTEN, RESPONSE_NOT_WRITTEN, u32::MAX, &[]);
-    r.sense_len = u32::MAX;
-    r.status_qualifier = u16::MAX;
-    r
+/// The sense bytes of a response header (at most SENSE_SIZE).
+#[cold]
+fn read_sense(b: &[u8; RESP_LEN], sense_len: u32) -> Box<[u8]> {
+    let n = (sense_len as usize).min(SENSE_SIZE);
+    b[12..12 + n].into()
+}
+
+/// The response header of a chain the device could not answer in: every
+/// fixed field all ones, and (sense_len being u32::MAX) the whole sense
+/// field, zeros.
+#[cold]
+fn not_written() -> (RespHeader, Option<Box<[u8]>>) {
+    let h = RespHeader {
+        sense_len: u32::MAX,
+        residual: u32::MAX,
+        status_qualifier: u16::MAX,
+        status: RESPONSE_NOT_WRITTEN,
+        response: RESPONSE_NOT_WRITTEN,
+    };
+    (h, Some(vec![0; SENSE_SIZE].into()))
 }
 
 /// Calls `take` on `s` until it gives something or `timeout` passes,
@@ -1678,19 +1752,25 @@ mod tests {
             data: Data::In(4096),
             writable_len: 108 + 4096,
             used_len: 108 + 4096,
-            resp: CmdResp::new(response::OK, status::GOOD, 0, &[]),
+            resp: RespHeader::of(&CmdResp::new(response::OK, status::GOOD, 0, &[])),
+            sense: None,
             latency: Duration::ZERO,
             raw: false,
         };
         assert!(c.ok());
-        assert!(!ScsiCompletion { used_len: 108, ..c }.ok());
-        let short = ScsiCompletion { resp: CmdResp::new(response::OK, status::GOOD, 96, &[]), ..c };
+        assert!(!ScsiCompletion { used_len: 108, ..c.clone() }.ok());
+        let short = c.clone().with_resp(&CmdResp::new(response::OK, status::GOOD, 96, &[]));
         assert!(!short.ok());
         assert!(ScsiCompletion { used_len: 108 + 4000, ..short }.ok());
         let check = CmdResp::new(response::OK, status::CHECK_CONDITION, 4096, &Sense::LBA_OUT_OF_RANGE.fixed());
-        let c2 = ScsiCompletion { resp: check, used_len: 108, ..c };
+        let c2 = ScsiCompletion { used_len: 108, ..c.clone() }.with_resp(&check);
         assert_eq!(c2.sense(), Some(Sense::LBA_OUT_OF_RANGE));
+        assert_eq!(c2.sense_bytes(), &Sense::LBA_OUT_OF_RANGE.fixed()[..]);
+        assert_eq!(c2.cmd_resp(), check);
         assert!(c2.problem().unwrap().contains("0x5/0x21/0x00"), "{:?}", c2.problem());
-        assert!(!ScsiCompletion { resp: not_written(), ..c }.ok());
+        let (h, sense) = not_written();
+        let unwritten = ScsiCompletion { resp: h, sense, ..c };
+        assert!(!unwritten.ok());
+        assert_eq!((unwritten.sense_bytes(), unwritten.resp.sense_len), (&[0u8; SENSE_SIZE][..], u32::MAX));
     }
 }

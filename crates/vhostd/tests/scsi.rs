@@ -382,7 +382,7 @@ fn collect(queues: &mut [&mut ScsiQueue], n: usize) -> BTreeMap<u64, (ScsiComple
     while got.len() < n {
         for q in queues.iter_mut() {
             q.poll(|c, data| {
-                assert!(got.insert(c.user, (*c, data.to_vec())).is_none(), "tag {} completed twice", c.user);
+                assert!(got.insert(c.user, (c.clone(), data.to_vec())).is_none(), "tag {} completed twice", c.user);
             })
             .unwrap();
         }
@@ -1640,7 +1640,7 @@ fn tmf_on_hung_reads(
     while got.len() < reads.len() {
         for q in qs.iter_mut() {
             q.q.poll(|c, data| {
-                got.insert(c.id, (*c, data.to_vec()));
+                got.insert(c.id, (c.clone(), data.to_vec()));
             })
             .unwrap();
         }
