@@ -515,8 +515,9 @@ struct Slot {
     writable_len: u32,
     /// Raw: offset of the writable bytes in the data area; None for typed.
     raw_writable_at: Option<u32>,
-    /// When the device could first see it (set by `flush`).
-    submitted: Instant,
+    /// When the device could first see it (set by `flush`), in
+    /// nanoseconds after the queue's `epoch`.
+    submitted: u64,
     /// Submission number (1, 2, ...), to see completions overtake others.
     seq: u64,
 }
@@ -552,6 +553,10 @@ pub struct ScsiQueue {
     used: Vec<Used>,
     /// Slots submitted since the last `flush` (stamped there, one clock read).
     unflushed: Vec<u16>,
+    /// What submission and completion times count from: a latency is then
+    /// a subtraction of two u64s per command, where one of two Instants
+    /// is a call into std, and the registers it costs, per command.
+    epoch: Instant,
     seq: u64,
     max_done_seq: u64,
     reordered: u64,
@@ -686,7 +691,6 @@ impl VirtioUser {
         let outside = || Error::Config("scsi buffers outside guest memory".into());
         let ctrl = mem.host(ctrl_gpa, depth as u64 * CTRL_STRIDE).ok_or_else(outside)?;
         let data = mem.host(data_gpa, depth as u64 * stride).ok_or_else(outside)?;
-        let now = Instant::now();
         let slots = (0..depth)
             .map(|_| Slot {
                 kept: None,
@@ -697,7 +701,7 @@ impl VirtioUser {
                 data: Data::None,
                 writable_len: 0,
                 raw_writable_at: None,
-                submitted: now,
+                submitted: 0,
                 seq: 0,
             })
             .collect();
@@ -718,6 +722,7 @@ impl VirtioUser {
             indirect,
             used: vec![Used::default(); size as usize],
             unflushed: Vec::with_capacity(depth as usize),
+            epoch: Instant::now(),
             seq: 0,
             max_done_seq: 0,
             reordered: 0,
@@ -1103,12 +1108,18 @@ impl ScsiQueue {
     #[inline]
     pub fn flush(&mut self) -> Result<bool, Error> {
         if !self.unflushed.is_empty() {
-            let now = Instant::now();
+            let now = self.clock();
             for slot in self.unflushed.drain(..) {
                 self.slots[slot as usize].submitted = now;
             }
         }
         self.queue.publish_and_kick()
+    }
+
+    /// Nanoseconds since the queue's epoch.
+    #[inline]
+    fn clock(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// Takes every completion the device has made (in whatever order it
@@ -1121,7 +1132,7 @@ impl ScsiQueue {
         let mut out = std::mem::take(&mut self.used);
         let r = self.queue.ring.pop_used_batch(&mut out, true);
         let n = *r.as_ref().unwrap_or(&0);
-        let now = if n > 0 { Some(Instant::now()) } else { None };
+        let now = if n > 0 { self.clock() } else { 0 };
         for u in &out[..n] {
             // The token is the slot we gave the chain: private, trusted.
             let slot = u.token as u16;
@@ -1157,7 +1168,7 @@ impl ScsiQueue {
                 used_len: u.len,
                 resp,
                 sense,
-                latency: now.map(|t| t.saturating_duration_since(s.submitted)).unwrap_or_default(),
+                latency: Duration::from_nanos(now.saturating_sub(s.submitted)),
                 raw: s.raw_writable_at.is_some(),
             };
             let (data_off, data_len) = match s.raw_writable_at {
