@@ -424,10 +424,7 @@ impl ScsiCompletion {
     /// header plus the data-in it transferred.
     #[inline]
     pub fn len_ok(&self) -> bool {
-        self.used_len <= self.writable_len
-            && (self.raw
-                || self.resp.response != response::OK
-                || self.used_len == RESP_LEN as u32 + self.transferred_in())
+        self.facts().len_ok()
     }
 
     /// Response OK, status GOOD and a possible used length.
@@ -444,29 +441,69 @@ impl ScsiCompletion {
         if self.ok() {
             return None;
         }
-        self.describe_problem()
+        // The message is built from copies of the fields: a reference to
+        // the completion here would keep the whole struct in memory (every
+        // field stored) in the workloads' per-command path.
+        describe_problem(self.facts(), self.sense_bytes())
     }
 
-    fn describe_problem(&self) -> Option<String> {
-        let what = format!("command {:#04x} (tag {})", self.opcode, self.id);
-        if self.resp.response != response::OK {
-            return Some(format!("{what}: response {}", response_name(self.resp.response)));
+    #[inline(always)]
+    fn facts(&self) -> Facts {
+        Facts {
+            opcode: self.opcode,
+            id: self.id,
+            data: self.data,
+            writable_len: self.writable_len,
+            used_len: self.used_len,
+            resp: self.resp,
+            raw: self.raw,
         }
-        if self.resp.status != status::GOOD {
-            let sense = match self.sense() {
-                Some(s) => format!(", sense {:#x}/{:#04x}/{:#04x}", s.key, s.asc, s.ascq),
-                None => String::new(),
-            };
-            return Some(format!("{what}: status {}{sense}", status_name(self.resp.status)));
-        }
-        if !self.len_ok() {
-            return Some(format!(
-                "{what}: used length {} (data {:?}, residual {}, writable {})",
-                self.used_len, self.data, self.resp.residual, self.writable_len
-            ));
-        }
-        None
     }
+}
+
+/// What `describe_problem` looks at, by value.
+#[derive(Clone, Copy)]
+struct Facts {
+    opcode: u8,
+    id: u64,
+    data: Data,
+    writable_len: u32,
+    used_len: u32,
+    resp: RespHeader,
+    raw: bool,
+}
+
+impl Facts {
+    /// `ScsiCompletion::len_ok`.
+    #[inline(always)]
+    fn len_ok(&self) -> bool {
+        let transferred_in = self.data.data_in().saturating_sub(self.resp.residual);
+        self.used_len <= self.writable_len
+            && (self.raw || self.resp.response != response::OK || self.used_len == RESP_LEN as u32 + transferred_in)
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn describe_problem(c: Facts, sense: &[u8]) -> Option<String> {
+    let what = format!("command {:#04x} (tag {})", c.opcode, c.id);
+    if c.resp.response != response::OK {
+        return Some(format!("{what}: response {}", response_name(c.resp.response)));
+    }
+    if c.resp.status != status::GOOD {
+        let sense = match parse_sense(sense) {
+            Some(s) => format!(", sense {:#x}/{:#04x}/{:#04x}", s.key, s.asc, s.ascq),
+            None => String::new(),
+        };
+        return Some(format!("{what}: status {}{sense}", status_name(c.resp.status)));
+    }
+    if !c.len_ok() {
+        return Some(format!(
+            "{what}: used length {} (data {:?}, residual {}, writable {})",
+            c.used_len, c.data, c.resp.residual, c.writable_len
+        ));
+    }
+    None
 }
 
 /// The result of a synchronous command.

@@ -3,7 +3,7 @@
 //! the unit each queue addresses (`ScsiQueue::set_lun`), the verify flush
 //! is SYNCHRONIZE CACHE(10) of the whole unit.
 
-use super::{response, status, Cmd, ScsiCompletion, ScsiQueue};
+use super::{response, status, Cmd, Data, ScsiCompletion, ScsiQueue};
 use crate::blk::workload::{run_queues, IoCompletion, IoQueue, Report, Workload};
 use crate::queue::VirtQueue;
 use crate::Error;
@@ -38,6 +38,12 @@ fn flush_status(c: &ScsiCompletion) -> u8 {
     }
 }
 
+#[cold]
+#[inline(never)]
+fn residual_problem(opcode: u8, id: u64, residual: u32, data: Data) -> String {
+    format!("command {opcode:#04x} (tag {id}): residual {residual} of {data:?}")
+}
+
 impl IoCompletion for ScsiCompletion {
     #[inline]
     fn user(&self) -> u64 {
@@ -53,18 +59,15 @@ impl IoCompletion for ScsiCompletion {
             return Some(p);
         }
         // A READ or WRITE moves its whole buffer.
-        (self.resp.residual != 0).then(|| {
-            format!(
-                "command {:#04x} (tag {}): residual {} of {:?}",
-                self.opcode, self.id, self.resp.residual, self.data
-            )
-        })
+        if self.resp.residual == 0 {
+            return None;
+        }
+        // Copies, not references: see `ScsiCompletion::problem`.
+        Some(residual_problem(self.opcode, self.id, self.resp.residual, self.data))
     }
     #[inline]
     fn read_ok(&self) -> bool {
-        matches!(self.data, super::Data::In(_))
-            && self.resp.response == response::OK
-            && self.resp.status == status::GOOD
+        matches!(self.data, Data::In(_)) && self.resp.response == response::OK && self.resp.status == status::GOOD
     }
 }
 
