@@ -719,6 +719,15 @@ impl<'a> GuestBufs<'a> {
         }
     }
 
+    /// `prefetch_write` of the line holding the last byte (a virtio-blk
+    /// status byte).
+    #[inline(always)]
+    pub fn prefetch_write_last(&self) {
+        if let Some(s) = self.segs.last() {
+            prefetch_write(s.addr.wrapping_add(s.len as usize).wrapping_sub(1));
+        }
+    }
+
     /// Copies the bytes from `skip` on into `dst`; returns bytes copied
     /// (fewer when the buffers end first).
     #[inline(always)]
