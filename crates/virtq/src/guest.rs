@@ -1552,6 +1552,13 @@ impl PackedRing {
         self.log.mark(self.desc_gpa + off as u64, 2);
     }
 
+    /// Whether two slots' descriptors share a cache line.
+    #[inline(always)]
+    pub(crate) fn same_line(&self, a: u16, b: u16) -> bool {
+        let line = |slot: u16| (self.desc.host as usize + slot as usize * 16) >> 6;
+        line(a) == line(b)
+    }
+
     /// Writes the slot's len and id (a used descriptor, flags stored later).
     #[inline(always)]
     pub(crate) fn set_len_id(&self, slot: u16, len: u32, id: u16) {

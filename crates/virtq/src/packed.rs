@@ -108,6 +108,15 @@ struct Popped {
     id: u16,
 }
 
+/// A used descriptor not yet stored in the ring.
+#[derive(Clone, Copy, Debug, Default)]
+struct UsedDesc {
+    slot: u16,
+    flags: u16,
+    len: u32,
+    id: u16,
+}
+
 /// The device side of one packed virtqueue.
 pub struct PackedQueue {
     mem: Arc<GuestMemory>,
@@ -122,8 +131,12 @@ pub struct PackedQueue {
     popped: Vec<Popped>,
     popped_head: usize,
     popped_len: usize,
-    /// The first used descriptor of the unpublished batch and its flags.
-    pending_first: Option<(u16, u16)>,
+    /// The first used descriptor of the unpublished batch, stored whole
+    /// at publish.
+    pending_first: Option<UsedDesc>,
+    /// Used descriptors after it in its cache line, stored at publish too.
+    line_mates: [UsedDesc; 3],
+    n_line_mates: u8,
     /// next_used as of the last notify decision.
     signalled_used: Pos,
     signalled_valid: bool,
@@ -203,6 +216,8 @@ impl PackedQueue {
             popped_head: 0,
             popped_len: 0,
             pending_first: None,
+            line_mates: [UsedDesc::default(); 3],
+            n_line_mates: 0,
             signalled_used: used,
             signalled_valid: false,
             notifications_disabled: false,
@@ -228,6 +243,10 @@ impl PackedQueue {
         q.popped_len = self.popped_len;
         q.stats = self.stats;
         q.broken = self.broken;
+        // An unpublished batch is published through the new mapping.
+        q.pending_first = self.pending_first;
+        q.line_mates = self.line_mates;
+        q.n_line_mates = self.n_line_mates;
         Ok(q)
     }
 
@@ -594,15 +613,22 @@ impl PackedQueue {
         if len != 0 {
             flags |= VRING_DESC_F_WRITE;
         }
-        if self.pending_first.is_none() {
-            self.ring.set_len_id(slot, len, id);
-            self.pending_first = Some((slot, flags));
-        } else {
+        let used = UsedDesc { slot, flags, len, id };
+        match self.pending_first {
+            None => self.pending_first = Some(used),
+            // A driver waiting for this batch polls the first descriptor's
+            // line. Each store into that line while it polls takes the
+            // line back from the driver's CPU, so the batch's stores into
+            // it wait for publish and go together.
+            Some(first) if self.n_line_mates < 3 && self.ring.same_line(first.slot, slot) => {
+                self.line_mates[self.n_line_mates as usize] = used;
+                self.n_line_mates += 1;
+            }
             // The driver reaches this slot only after the batch's first,
             // which is published last. len, id and flags go in one aligned
             // 8-byte store, which the driver sees whole: one store per used
             // descriptor instead of three.
-            self.ring.set_len_id_flags(slot, len, id, flags);
+            Some(_) => self.ring.set_len_id_flags(slot, len, id, flags),
         }
         self.next_used = self.next_used.advance(p.ndesc, self.ring.desc.len());
     }
@@ -660,9 +686,14 @@ impl PackedQueue {
     /// Makes the used descriptors written so far visible: one flags store.
     #[inline]
     pub fn publish_used(&mut self) {
-        if let Some((slot, flags)) = self.pending_first.take() {
+        if let Some(first) = self.pending_first.take() {
+            self.ring.set_len_id(first.slot, first.len, first.id);
+            for m in &self.line_mates[..self.n_line_mates as usize] {
+                self.ring.set_len_id_flags(m.slot, m.len, m.id, m.flags);
+            }
+            self.n_line_mates = 0;
             fence(Ordering::Release);
-            self.ring.set_flags(slot, flags);
+            self.ring.set_flags(first.slot, first.flags);
             self.stats.used_publishes += 1;
         }
     }
@@ -839,15 +870,28 @@ mod tests {
         assert_eq!(q.pop_batch(&mut b, 1, Access::WriteOnly), 1);
         clear();
         q.add_used(10, 4);
-        assert!(log.is_marked(page(RING)), "len and id of the batch's first used descriptor");
         clear();
         q.publish_used();
-        assert!(log.is_marked(page(RING)), "its flags, stored at the publish");
-        assert_eq!(q.pop_batch(&mut b, 2, Access::WriteOnly), 2);
-        q.add_used(11, 4);
+        assert!(log.is_marked(page(RING)), "the batch's first used descriptor, stored at the publish");
+        avail(&mem, 3, BUFS + 0x300, 60, 13, VRING_DESC_F_WRITE);
+        avail(&mem, 4, BUFS + 0x400, 60, 14, VRING_DESC_F_WRITE);
+        assert_eq!(q.pop_batch(&mut b, 4, Access::WriteOnly), 4);
+        // Slots 1-3 share the first's line and wait for the publish.
+        for id in 11..14 {
+            q.add_used(id, 4);
+        }
+        let avail_flags = VRING_DESC_F_WRITE | VRING_PACKED_DESC_F_AVAIL;
+        assert_eq!(slot(&mem, 2), (60, 12, avail_flags), "nothing in the first's line before the publish");
         clear();
-        q.add_used(12, 4);
-        assert!(log.is_marked(page(RING + 32)), "a later used descriptor's single store");
+        q.add_used(14, 4);
+        assert!(log.is_marked(page(RING + 64)), "a used descriptor past the first's line: one store, at once");
+        clear();
+        q.publish_used();
+        assert!(log.is_marked(page(RING)), "the first's line, at the publish");
+        let used_flags = VRING_DESC_F_WRITE | VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED;
+        for i in 1..5 {
+            assert_eq!(slot(&mem, i), (4, 10 + i, used_flags), "slot {i}");
+        }
         clear();
         q.disable_notifications();
         assert!(log.is_marked(page(DEVICE)), "the device event area");
