@@ -845,6 +845,37 @@ mod tests {
     }
 
     #[test]
+    fn an_unpublished_batch_survives_a_remap() {
+        let mem = memory();
+        let cfg = PackedConfig {
+            size: 8,
+            desc: RING,
+            driver: DRIVER,
+            device: DEVICE,
+            features: 0,
+            base: PACKED_BASE_INITIAL,
+        };
+        let mut q = PackedQueue::new(mem.clone(), cfg).unwrap();
+        for i in 0..6u16 {
+            avail(&mem, i, BUFS + 0x100 * i as u64, 60, 20 + i, VRING_DESC_F_WRITE);
+        }
+        let mut b = Batch::new();
+        assert_eq!(q.pop_batch(&mut b, 6, Access::WriteOnly), 6);
+        for i in 0..6u16 {
+            q.add_used(20 + i, 8 + i as u32);
+        }
+        // Slots 0-3 wait for the publish; 4 and 5 were stored at once.
+        let avail_flags = VRING_DESC_F_WRITE | VRING_PACKED_DESC_F_AVAIL;
+        assert_eq!(slot(&mem, 0), (60, 20, avail_flags));
+        let mut q = q.remap(mem.clone(), q.addrs()).unwrap();
+        q.publish_used();
+        let used_flags = avail_flags | VRING_PACKED_DESC_F_USED;
+        for i in 0..6u16 {
+            assert_eq!(slot(&mem, i), (8 + i as u32, 20 + i, used_flags), "slot {i}");
+        }
+    }
+
+    #[test]
     fn each_store_marks_its_page_at_the_time_it_is_made() {
         // The log is cleared between the stores of one used descriptor: a
         // migration may copy the page in between, so each store must mark
@@ -870,16 +901,18 @@ mod tests {
         assert_eq!(q.pop_batch(&mut b, 1, Access::WriteOnly), 1);
         clear();
         q.add_used(10, 4);
-        clear();
+        assert!(!log.is_marked(page(RING)), "the batch's first used descriptor waits for the publish");
         q.publish_used();
         assert!(log.is_marked(page(RING)), "the batch's first used descriptor, stored at the publish");
         avail(&mem, 3, BUFS + 0x300, 60, 13, VRING_DESC_F_WRITE);
         avail(&mem, 4, BUFS + 0x400, 60, 14, VRING_DESC_F_WRITE);
         assert_eq!(q.pop_batch(&mut b, 4, Access::WriteOnly), 4);
         // Slots 1-3 share the first's line and wait for the publish.
+        clear();
         for id in 11..14 {
             q.add_used(id, 4);
         }
+        assert!(!log.is_marked(page(RING)), "nothing in the first's line is stored before the publish");
         let avail_flags = VRING_DESC_F_WRITE | VRING_PACKED_DESC_F_AVAIL;
         assert_eq!(slot(&mem, 2), (60, 12, avail_flags), "nothing in the first's line before the publish");
         clear();
