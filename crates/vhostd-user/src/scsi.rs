@@ -1190,9 +1190,8 @@ impl ScsiQueue {
             };
             let (resp, sense) = match resp_at {
                 // SAFETY: RESP_LEN bytes at `p` lie inside the slot's
-                // control block or data area (above). The device returned
-                // the chain; one that writes it anyway only changes bytes.
-                Some(p) => read_resp(unsafe { &*(p as *const [u8; RESP_LEN]) }),
+                // control block or data area (above).
+                Some(p) => unsafe { read_resp(p) },
                 None => not_written(),
             };
             let c = ScsiCompletion {
@@ -1383,27 +1382,42 @@ unsafe fn store_rw10_header(p: *mut u8, lun: [u8; 8], id: u64, opcode: u8, lba: 
     }
 }
 
-/// A response header from its RESP_LEN bytes: the 12 fixed bytes, and the
-/// sense bytes (as many as sense_len says) only if there are any: a good
-/// command has none.
+/// A response header from the RESP_LEN bytes at `p`: the 12 fixed bytes,
+/// and the sense bytes (as many as sense_len says) only if there are any:
+/// a good command has none. Raw reads, never a reference: the memory is
+/// shared with the device, which may still write it.
+///
+/// # Safety
+/// `p` is valid for reads of RESP_LEN bytes.
 #[inline(always)]
-fn read_resp(b: &[u8; RESP_LEN]) -> (RespHeader, Option<Box<[u8]>>) {
+unsafe fn read_resp(p: *const u8) -> (RespHeader, Option<Box<[u8]>>) {
+    // SAFETY: the first 12 of the RESP_LEN readable bytes (caller).
+    let (first, second) = unsafe { ((p as *const u64).read_unaligned(), (p.add(8) as *const u32).read_unaligned()) };
+    let (first, second) = (u64::from_le(first), u32::from_le(second));
     let h = RespHeader {
-        sense_len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        residual: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-        status_qualifier: u16::from_le_bytes([b[8], b[9]]),
-        status: b[10],
-        response: b[11],
+        sense_len: first as u32,
+        residual: (first >> 32) as u32,
+        status_qualifier: second as u16,
+        status: (second >> 16) as u8,
+        response: (second >> 24) as u8,
     };
-    let sense = if h.sense_len != 0 { Some(read_sense(b, h.sense_len)) } else { None };
+    // SAFETY: as above.
+    let sense = if h.sense_len != 0 { Some(unsafe { read_sense(p, h.sense_len) }) } else { None };
     (h, sense)
 }
 
-/// The sense bytes of a response header (at most SENSE_SIZE).
+/// The sense bytes of a response header at `p` (at most SENSE_SIZE).
+///
+/// # Safety
+/// `p` is valid for reads of RESP_LEN bytes.
 #[cold]
-fn read_sense(b: &[u8; RESP_LEN], sense_len: u32) -> Box<[u8]> {
+unsafe fn read_sense(p: *const u8, sense_len: u32) -> Box<[u8]> {
     let n = (sense_len as usize).min(SENSE_SIZE);
-    b[12..12 + n].into()
+    let mut v = vec![0u8; n];
+    // SAFETY: 12 + n <= 12 + SENSE_SIZE = RESP_LEN bytes at p (caller);
+    // `v` is private memory.
+    unsafe { std::ptr::copy_nonoverlapping(p.add(12), v.as_mut_ptr(), n) };
+    v.into_boxed_slice()
 }
 
 /// The response header of a chain the device could not answer in: every
