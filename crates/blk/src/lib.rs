@@ -35,9 +35,6 @@ pub const SEG_MAX: u32 = 128;
 /// stay below 32 MiB: SeaBIOS divides it by 512 into a u16 and, at 0,
 /// loops forever on zero-length reads.
 pub const SIZE_MAX: u32 = 128 << 10;
-
-/// Requests ahead of the decode whose header and status are fetched.
-const PREFETCH_AHEAD: usize = 8;
 /// Largest DISCARD / WRITE_ZEROES range in sectors (1 GiB).
 pub const MAX_RANGE_SECTORS: u32 = 1 << 21;
 
@@ -273,25 +270,16 @@ impl BlkQueue {
         if room > 0 && !q.is_broken() {
             let (n, rejected) = self.ring.pop(q, batch, room);
             work += rejected;
-            // Fetch request headers and status bytes PREFETCH_AHEAD
-            // requests ahead of the decode, so their misses overlap rather
-            // than come one per request in turn (the driver wrote them
-            // last, on its CPU). A whole batch at once (up to the queue
-            // depth) is slower at depth 128: more misses than the core
-            // keeps in flight.
+            // Request headers and status bytes are fetched a few requests
+            // ahead of the decode, so their misses (the driver wrote them
+            // last, on its CPU) overlap rather than come one per request.
             let fetch = |chain: &virtq::Chain| {
                 batch.readable(chain).prefetch(0);
                 batch.writable(chain).prefetch_write_last();
             };
-            // One request alone has no misses to overlap.
-            let ahead = if batch.chains.len() > 1 { PREFETCH_AHEAD } else { 0 };
-            batch.chains.iter().take(ahead).for_each(fetch);
-            for (i, chain) in batch.chains.iter().enumerate() {
-                if let Some(c) = batch.chains.get(i + ahead).filter(|_| ahead > 0) {
-                    fetch(c);
-                }
-                self.start(chain.head, chain.read_len, batch.readable(chain), batch.writable(chain), dev);
-            }
+            batch.each_fetching_ahead(fetch, |chain| {
+                self.start(chain.head, chain.read_len, batch.readable(chain), batch.writable(chain), dev)
+            });
             if n > 0 {
                 self.backend.submit();
                 work += n;

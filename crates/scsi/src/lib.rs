@@ -242,7 +242,7 @@ impl From<Transfer> for Action {
 /// header's whole field, so no index into it needs a bounds check.
 #[inline(always)]
 pub fn transfer(disk: &Disk, cdb: &[u8; wire::CDB_SIZE]) -> Option<Transfer> {
-    let write = match *cdb.first()? {
+    let write = match cdb[0] {
         op::READ_6 | op::READ_10 | op::READ_12 | op::READ_16 => false,
         op::WRITE_6 | op::WRITE_10 | op::WRITE_12 | op::WRITE_16 => true,
         _ => return None,

@@ -38,9 +38,6 @@ pub const MAX_TRANSFER: u32 = 512 << 10;
 /// initiator retries).
 const TASK_SET_FULL: u8 = 0x28;
 
-/// Requests ahead of the decode whose header and status are fetched.
-const PREFETCH_AHEAD: usize = 8;
-
 /// Counters of one request queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ScsiStats {
@@ -282,23 +279,16 @@ impl ScsiQueue {
         if room > 0 && !q.is_broken() {
             let (n, rejected) = self.ring.pop(q, batch, room);
             work += rejected;
-            // Fetch request headers and responses PREFETCH_AHEAD commands
-            // ahead of the decode, so their misses overlap rather than
-            // come one per command in turn (as blk does).
+            // Request headers and responses are fetched a few commands
+            // ahead of the decode, so their misses overlap (as blk does).
             let fetch = |chain: &virtq::Chain| {
                 batch.readable(chain).prefetch(0);
                 batch.writable(chain).prefetch_write(0);
             };
-            // One request alone has no misses to overlap.
-            let ahead = if batch.chains.len() > 1 { PREFETCH_AHEAD } else { 0 };
-            batch.chains.iter().take(ahead).for_each(fetch);
-            for (i, chain) in batch.chains.iter().enumerate() {
-                if let Some(c) = batch.chains.get(i + ahead).filter(|_| ahead > 0) {
-                    fetch(c);
-                }
+            batch.each_fetching_ahead(fetch, |chain| {
                 let lens = (chain.read_len as usize, chain.write_len as usize);
                 self.start(chain.head, batch.readable(chain), batch.writable(chain), lens, dev);
-            }
+            });
             if n > 0 {
                 self.submit();
                 work += n;
@@ -547,7 +537,9 @@ impl ScsiQueue {
         // The header's fields in place (`wire::CmdReq`): lun, id, task
         // attribute, priority, crn, cdb.
         let (lun, cdb) = (&hdr[0..8], &hdr[19..REQ_LEN]);
-        let cdb_field: &[u8; CDB_SIZE] = cdb.try_into().unwrap_or(&[0; CDB_SIZE]);
+        // REQ_LEN is 19 + CDB_SIZE (wire.rs), so the header ends with the
+        // whole field and this never falls back.
+        let Some(cdb_field) = hdr.last_chunk::<CDB_SIZE>() else { return };
         let data_out = read_len - REQ_LEN;
         slot.id = u64::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15]]);
         // Every data byte is a residual until something moves it.

@@ -916,7 +916,7 @@ impl<'a> GuestBufs<'a> {
     pub fn lend_front(&self, len: usize, out: &mut IoBufs) -> bool {
         // Most often the first buffer holds it all: no sum over the rest.
         match self.segs.first() {
-            Some(s) if s.len as usize >= len && out.can_hold(self.mem) => {
+            Some(s) if len != 0 && s.len as usize >= len && out.can_hold(self.mem) => {
                 out.reply.clear();
                 out.reply.push(Seg { addr: s.addr, len: len as u32 });
                 out.hold(self.mem);
