@@ -782,6 +782,11 @@ mod tests {
         Arc::new(GuestMemory::from_regions(vec![Region::new(0, 0x8000, m, 0).unwrap()]).unwrap())
     }
 
+    /// A fresh 8-entry ring at RING / DRIVER / DEVICE.
+    fn ring_of_8(features: u64) -> PackedConfig {
+        PackedConfig { size: 8, desc: RING, driver: DRIVER, device: DEVICE, features, base: PACKED_BASE_INITIAL }
+    }
+
     /// Makes slot `i` available in the first lap.
     fn avail(mem: &GuestMemory, i: u16, addr: u64, len: u32, id: u16, flags: u16) {
         let mut d = [0u8; 16];
@@ -802,14 +807,7 @@ mod tests {
     #[test]
     fn groups_of_four_chains_and_used_descriptors_through_the_fence() {
         let mem = memory();
-        let cfg = PackedConfig {
-            size: 8,
-            desc: RING,
-            driver: DRIVER,
-            device: DEVICE,
-            features: features::EVENT_IDX,
-            base: PACKED_BASE_INITIAL,
-        };
+        let cfg = ring_of_8(features::EVENT_IDX);
         let mut q = PackedQueue::new(mem.clone(), cfg).unwrap();
         for i in 0..4 {
             avail(&mem, i, BUFS + 0x100 * i as u64, 60, 10 + i, VRING_DESC_F_WRITE);
@@ -847,14 +845,7 @@ mod tests {
     #[test]
     fn an_unpublished_batch_survives_a_remap() {
         let mem = memory();
-        let cfg = PackedConfig {
-            size: 8,
-            desc: RING,
-            driver: DRIVER,
-            device: DEVICE,
-            features: 0,
-            base: PACKED_BASE_INITIAL,
-        };
+        let cfg = ring_of_8(0);
         let mut q = PackedQueue::new(mem.clone(), cfg).unwrap();
         for i in 0..6u16 {
             avail(&mem, i, BUFS + 0x100 * i as u64, 60, 20 + i, VRING_DESC_F_WRITE);
@@ -883,14 +874,7 @@ mod tests {
         let logmap = Arc::new(Mapping::anonymous(4096).unwrap());
         let log = Arc::new(crate::DirtyLog::new(logmap.clone(), 0, 4096).unwrap());
         let mem = Arc::new(memory().with_log(Some(log.clone())));
-        let cfg = PackedConfig {
-            size: 8,
-            desc: RING,
-            driver: DRIVER,
-            device: DEVICE,
-            features: 0,
-            base: PACKED_BASE_INITIAL,
-        };
+        let cfg = ring_of_8(0);
         let mut q = PackedQueue::new(mem.clone(), cfg).unwrap();
         avail(&mem, 0, BUFS, 60, 10, VRING_DESC_F_WRITE);
         avail(&mem, 1, BUFS + 0x100, 60, 11, VRING_DESC_F_WRITE);
