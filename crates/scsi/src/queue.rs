@@ -536,10 +536,10 @@ impl ScsiQueue {
         }
         // The header's fields in place (`wire::CmdReq`): lun, id, task
         // attribute, priority, crn, cdb.
-        let (lun, cdb) = (&hdr[0..8], &hdr[19..REQ_LEN]);
         // REQ_LEN is 19 + CDB_SIZE (wire.rs), so the header ends with the
         // whole field and this never falls back.
         let Some(cdb_field) = hdr.last_chunk::<CDB_SIZE>() else { return };
+        let (lun, cdb) = (&hdr[0..8], &cdb_field[..]);
         let data_out = read_len - REQ_LEN;
         slot.id = u64::from_le_bytes([hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15]]);
         // Every data byte is a residual until something moves it.

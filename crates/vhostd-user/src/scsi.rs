@@ -416,7 +416,7 @@ impl ScsiCompletion {
     /// Data-in bytes the device says it transferred (buffer - residual).
     #[inline]
     pub fn transferred_in(&self) -> u32 {
-        self.data.data_in().saturating_sub(self.resp.residual)
+        self.facts().transferred_in()
     }
 
     /// The used length is possible: at most the writable bytes, and for a
@@ -474,12 +474,19 @@ struct Facts {
 }
 
 impl Facts {
+    /// `ScsiCompletion::transferred_in`.
+    #[inline(always)]
+    fn transferred_in(&self) -> u32 {
+        self.data.data_in().saturating_sub(self.resp.residual)
+    }
+
     /// `ScsiCompletion::len_ok`.
     #[inline(always)]
     fn len_ok(&self) -> bool {
-        let transferred_in = self.data.data_in().saturating_sub(self.resp.residual);
         self.used_len <= self.writable_len
-            && (self.raw || self.resp.response != response::OK || self.used_len == RESP_LEN as u32 + transferred_in)
+            && (self.raw
+                || self.resp.response != response::OK
+                || self.used_len == RESP_LEN as u32 + self.transferred_in())
     }
 }
 
