@@ -346,21 +346,22 @@ fn header_bytes(hdr: (u64, u32)) -> [u8; HDR_LEN] {
     h
 }
 
-/// Starts fetching every popped RX buffer's first two lines, as a header
-/// of `hdr_len` bytes and a short frame need (`prefetch_for_header`): a
-/// whole burst at once, right after the pop.
+/// Starts fetching the popped RX buffers' first two lines, as a header of
+/// `hdr_len` bytes and a short frame need (`prefetch_for_header`): a whole
+/// burst at once, right after the pop. (A refill pop for one long frame
+/// may take up to the whole ring; the first `BURST` buffers are fetched.)
 ///
-/// Fetched 8 buffers ahead instead, packed ring, 64-byte frames, vhostd
-/// held behind the driver's refill, it spent 108 busy cycles/packet, the
-/// whole burst at once 78 (1024 entries); the stores then no longer wait
-/// for lines from the driver's CPU one after another. Before the header
-/// line was fetched for reading (while `write_header_and` always stored
-/// the header) it was the other way round: every header line fetched for
-/// writing at once took 97 cycles/packet against 65 for 8 ahead (256
-/// entries). Long frames were always fastest with the whole burst.
+/// Packed ring, 64-byte frames, `write_header_and` comparing the header:
+/// 8 buffers ahead instead, with vhostd held behind the driver's refill
+/// at 1024 entries, spent 110 busy cycles/packet, 16 ahead 95, the whole
+/// burst 77-83; in bench/net-ab the whole burst was 1.32x the Mpps of 8
+/// ahead at 1024 entries, 1.19x that of 16 ahead at 4096, and 0.91x and
+/// 0.98x of them at 256. Before the compare, each header line fetched for
+/// writing, 8 ahead was the faster at 256 entries (65 cycles/packet
+/// against 97). Long frames were always fastest with the whole burst.
 #[inline(always)]
 fn prefetch_popped(batch: &Batch, hdr_len: usize) {
-    for chain in &batch.chains {
+    for chain in batch.chains.iter().take(BURST) {
         batch.writable(chain).prefetch_for_header(hdr_len);
     }
 }
