@@ -728,7 +728,7 @@ impl<'a> GuestBufs<'a> {
     pub fn prefetch_for_header(&self, hdr_len: usize) {
         let Some(s) = self.segs.first() else { return };
         let in_line = s.addr as usize % 64;
-        if hdr_len == 12 && in_line + 12 == 64 && s.len >= 12 {
+        if hdr_len == 12 && in_line + hdr_len == 64 && s.len as usize >= hdr_len {
             prefetch(s.addr);
         } else {
             prefetch_write(s.addr);
@@ -854,8 +854,8 @@ impl<'a> GuestBufs<'a> {
     /// refill: 102-114 busy cycles/packet with the header always stored
     /// (buffers fetched for writing, 8 ahead), 77-83 compared (with the
     /// burst's buffers fetched as `prefetch_for_header` does); with no
-    /// header or frame stored at all, 61-62. DPDK's vhost library compares its header
-    /// fields the same way.
+    /// header or frame stored at all, 61-62. DPDK's vhost library compares
+    /// its header fields the same way.
     #[inline(always)]
     pub fn write_header_and(&self, hdr: (u64, u32), hdr_len: usize, body: &[u8]) {
         debug_assert!(hdr_len <= 12);
