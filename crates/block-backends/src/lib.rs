@@ -87,6 +87,9 @@ pub struct BlockStats {
     pub errors: u64,
     /// Submission system calls (io_uring_enter).
     pub submit_calls: u64,
+    /// Reads and writes copied through a mapping of the image (the file
+    /// backend on tmpfs; see its docs), with no system call.
+    pub mapped: u64,
 }
 
 /// A block backend for one request queue.

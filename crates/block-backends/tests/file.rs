@@ -643,9 +643,10 @@ fn tmpfs_reads_and_writes_complete_inline() {
     let got = g.get(r, data.len() + 1024);
     assert!(got[..512].iter().all(|&x| x == 0) && got[512 + data.len()..].iter().all(|&x| x == 0));
     assert_eq!(&got[512..512 + data.len()], &data[..]);
-    // No io_uring_enter, and no wake-up to consume.
+    // No io_uring_enter, and no wake-up to consume. A sparse image is not
+    // mapped (a mapping's read of a hole would allocate it).
     let s = b.stats();
-    assert_eq!((s.submitted, s.completed, s.errors, s.submit_calls), (2, 2, 0, 0));
+    assert_eq!((s.submitted, s.completed, s.errors, s.submit_calls, s.mapped), (2, 2, 0, 0, 0));
     assert!(!readable(fd, 0), "nothing signals the completion fd for inline requests");
     // A flush still goes through the ring, and wakes the completion fd.
     b.queue(&req(3, Op::Flush, 0, 0, NONE)).unwrap();
@@ -708,6 +709,101 @@ fn tmpfs_inline_completions_fill_the_depth() {
     // A request left unreaped does not hold up the drop.
     b.queue(&req(4, Op::Read, 0, 4096, &ios[2])).unwrap();
     drop(b);
+}
+
+/// Blocks (512 bytes) the file at `path` has allocated.
+fn blocks(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().blocks()
+}
+
+#[test]
+fn a_fully_allocated_tmpfs_image_is_copied_through_a_mapping() {
+    let Some(shm) = shm() else { return };
+    const SIZE: usize = 256 << 10;
+    let t = Temp::filled(shm, "mapped", SIZE, 0x3c);
+    let mut b = one(&t.path, 4);
+    let fd = b.completion_fd().unwrap();
+    let mut g = Guest::new();
+    let data = pattern(2 * 4096 + 1536, 33);
+    let w = g.with(&data);
+    let pieces = [(w, 1000), (w + 1000, 0), (w + 1000, 5000), (w + 6000, data.len() - 6000)];
+    b.queue(&req(1, Op::Write, 4096 + 512, data.len() as u64, &g.io(&pieces))).unwrap();
+    assert_eq!((b.in_flight(), b.room()), (1, 3), "done, in flight until reaped");
+    b.submit();
+    assert_eq!(reap_now(b.as_mut()), vec![Completion { tag: 1, result: data.len() as i64 }]);
+    // In the file, as other processes read it.
+    let on_file = std::fs::read(&t.path).unwrap();
+    assert_eq!(&on_file[4096 + 512..4096 + 512 + data.len()], &data[..]);
+    assert!(on_file[..4096 + 512].iter().all(|&x| x == 0x3c));
+    assert!(on_file[4096 + 512 + data.len()..].iter().all(|&x| x == 0x3c));
+    // Read back across other boundaries, ending at the last byte.
+    let back = read_all(b.as_mut(), 4096, SIZE - 4096);
+    assert_eq!(&back[512..512 + data.len()], &data[..]);
+    assert!(back[..512].iter().all(|&x| x == 0x3c) && back[512 + data.len()..].iter().all(|&x| x == 0x3c));
+    let s = b.stats();
+    assert_eq!((s.submitted, s.completed, s.errors, s.submit_calls, s.mapped), (2, 2, 0, 0, 2));
+    assert!(!readable(fd, 0), "nothing signals the completion fd");
+    // Past the end: not the mapping's (the kernel answers, as before).
+    let z = g.alloc(8192, 0xee);
+    assert_eq!(run(b.as_mut(), &req(3, Op::Read, SIZE as u64 - 4096, 8192, &g.io(&[(z, 8192)]))), EIO);
+    assert!(g.get(z, 4096).iter().all(|&x| x == 0x3c), "the part before the end");
+    assert_eq!(b.stats().mapped, 2);
+    // Read-only: reads copied, writes refused.
+    let (_, mut ro) = open_file(&t.path, true, false, 1, 4).unwrap();
+    let mut r = ro.pop().unwrap();
+    assert!(read_all(r.as_mut(), 4096 + 512, data.len()) == data, "read-only copy");
+    assert_eq!(r.queue(&req(4, Op::Write, 0, 4096, &g.io(&[(z, 4096)]))), Err(EROFS));
+    assert_eq!(r.stats().mapped, 1);
+}
+
+#[test]
+fn a_discard_ends_the_copies_for_every_queue() {
+    let Some(shm) = shm() else { return };
+    const SIZE: usize = 1 << 20;
+    let t = Temp::filled(shm, "mapped-discard", SIZE, 0x77);
+    let (_, mut queues) = open_file(&t.path, false, false, 2, 4).unwrap();
+    let (mut q1, mut q0) = (queues.pop().unwrap(), queues.pop().unwrap());
+    assert!(read_all(q1.as_mut(), 0, 4096).iter().all(|&x| x == 0x77));
+    assert_eq!(q1.stats().mapped, 1);
+    let full = blocks(&t.path);
+    assert_eq!(run(q0.as_mut(), &req(1, Op::Discard, 256 << 10, 512 << 10, NONE)), 0);
+    let holed = blocks(&t.path);
+    assert!(holed < full, "st_blocks {full} -> {holed}");
+    // The other queue reads the hole with preadv: zeros, nothing allocated.
+    let back = read_all(q1.as_mut(), 0, SIZE);
+    assert!(back[..256 << 10].iter().all(|&x| x == 0x77) && back[768 << 10..].iter().all(|&x| x == 0x77));
+    assert!(back[256 << 10..768 << 10].iter().all(|&x| x == 0));
+    assert_eq!(blocks(&t.path), holed, "reading the hole allocated it");
+    assert_eq!((q0.stats().mapped, q1.stats().mapped), (0, 1), "no copies after the discard");
+}
+
+#[test]
+fn a_truncated_image_fails_the_request_and_ends_the_copies() {
+    let Some(shm) = shm() else { return };
+    // Without the handler the truncated mapping's SIGBUS kills the test.
+    virtq::sigbus::install_handler().unwrap();
+    const SIZE: usize = 64 << 10;
+    let t = Temp::filled(shm, "mapped-truncated", SIZE, 0x11);
+    let mut b = one(&t.path, 4);
+    let mut g = Guest::new();
+    let (at, w) = (g.alloc(4096, 0), g.alloc(4096, 0xee));
+    assert_eq!(run(b.as_mut(), &req(1, Op::Read, 32 << 10, 4096, &g.io(&[(at, 4096)]))), 4096);
+    let lost = virtq::sigbus::lost_mappings();
+    // Someone else shrinks it: the next copy faults, and the request fails.
+    std::fs::OpenOptions::new().write(true).open(&t.path).unwrap().set_len(16 << 10).unwrap();
+    assert_eq!(run(b.as_mut(), &req(2, Op::Write, 32 << 10, 4096, &g.io(&[(w, 4096)]))), EIO);
+    assert_eq!(virtq::sigbus::lost_mappings(), lost + 1, "the handler replaced the mapping");
+    assert_eq!(b.stats().mapped, 2);
+    // From then on the kernel answers: short of the end, and past it.
+    assert!(read_all(b.as_mut(), 0, 4096).iter().all(|&x| x == 0x11));
+    assert_eq!(run(b.as_mut(), &req(3, Op::Read, 32 << 10, 4096, &g.io(&[(at, 4096)]))), EIO);
+    assert_eq!(b.stats().mapped, 2, "no copies after the fault");
+    // Even once it has grown back.
+    std::fs::OpenOptions::new().write(true).open(&t.path).unwrap().set_len(SIZE as u64).unwrap();
+    assert_eq!(run(b.as_mut(), &req(4, Op::Write, 32 << 10, 4096, &g.io(&[(w, 4096)]))), 4096);
+    let on_file = std::fs::read(&t.path).unwrap();
+    assert!(on_file[32 << 10..36 << 10].iter().all(|&x| x == 0xee), "written after growing back");
+    assert_eq!(b.stats().mapped, 2);
 }
 
 #[test]

@@ -7,9 +7,9 @@
 
 use std::fs::File;
 use std::io;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use virtq::sigbus::{self, Slot};
 use virtq::{Mapping, Region};
 
 /// One region as the frontend described it.
@@ -89,14 +89,14 @@ pub fn map_region(file: &File, gpa: u64, size: u64, offset: u64) -> io::Result<R
 /// it: an offset that is not page aligned is mapped from the file start,
 /// as libvhost-user does.
 ///
-/// With every slot of the handler's table taken (`SLOTS` live mappings), a
+/// With every slot of the handler's table taken (`sigbus::SLOTS` live mappings), a
 /// file sealed against shrinking is mapped all the same (it cannot be
 /// truncated under us), but an unsealed one is refused with an error of
 /// kind `StorageFull` (a vfio-user DMA_MAP answers ENOSPC, a vhost-user
 /// SET_MEM_TABLE or ADD_MEM_REG is refused): its frontend could truncate
 /// it and crash vhostd with a SIGBUS nobody handles.
 pub fn map_shared(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, u64)> {
-    map_shared_in(&TABLE, file, size, offset)
+    map_shared_in(&sigbus::TABLE, file, size, offset)
 }
 
 /// `map_shared`, registering in `table`.
@@ -104,7 +104,7 @@ fn map_shared_in(table: &'static [Slot], file: &File, size: u64, offset: u64) ->
     let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
     let len = size.checked_add(skip).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size overflows"))?;
     let mapping = Mapping::map(file, map_off, len)?;
-    let mapping = match register(table, mapping.host_range()) {
+    let mapping = match sigbus::register(table, mapping.host_range()) {
         Some(registration) => mapping.with_unmap_guard(Box::new(registration)),
         // Sealed against shrinking: no truncation to survive.
         None if mapping.sealed() => mapping,
@@ -123,108 +123,16 @@ fn map_shared_in(table: &'static [Slot], file: &File, size: u64, offset: u64) ->
     Ok((Arc::new(mapping), skip))
 }
 
-// ---- surviving a frontend that truncates its memory ----------------------
-//
-// A file the frontend can still shrink (not sealable: hugetlbfs, a plain
-// file) makes our next access to the lost pages raise SIGBUS. The handler
-// below finds the mapping the fault is in, replaces the whole mapping with
-// private zero pages (so the access, retried, reads zeros: the rings then
-// look broken and the device asks for a reset) and counts it. Faults
-// anywhere else keep their default action.
-
-const SLOTS: usize = 1024;
-
-/// One live mapping the handler covers: its start and length (start 0: a
-/// free slot).
-struct Slot {
-    start: AtomicUsize,
-    len: AtomicUsize,
-}
-
-impl Slot {
-    const fn new() -> Slot {
-        Slot { start: AtomicUsize::new(0), len: AtomicUsize::new(0) }
-    }
-}
-
-/// The handler's table.
-static TABLE: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
-static LOST: AtomicU64 = AtomicU64::new(0);
-
-/// A mapping's slot in a table, given up on drop (which the mapping does
-/// just before it unmaps).
-struct Registration(&'static Slot);
-
-/// Takes a free slot of `table` for the mapping at `addr` of `len` bytes;
-/// None when every slot is taken.
-fn register(table: &'static [Slot], (addr, len): (usize, usize)) -> Option<Registration> {
-    for slot in table {
-        if slot.start.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            slot.len.store(len, Ordering::Release);
-            return Some(Registration(slot));
-        }
-    }
-    None
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        self.0.len.store(0, Ordering::Release);
-        self.0.start.store(0, Ordering::Release);
-    }
-}
-
 /// Mappings replaced by zero pages after their file shrank (since start).
 pub fn lost_mappings() -> u64 {
-    LOST.load(Ordering::Relaxed)
+    sigbus::lost_mappings()
 }
 
-/// Installs the SIGBUS handler (once, early; before threads start).
+/// Installs the SIGBUS handler (once, early; before threads start): a
+/// frontend truncating guest memory under us costs that memory, not the
+/// process (virtq's `sigbus`).
 pub fn install_sigbus_handler() -> io::Result<()> {
-    // SAFETY: installs an async-signal-safe handler (see on_sigbus); the
-    // sigaction struct is plain data, zeroed then filled.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_sigbus as *const () as usize;
-        sa.sa_flags = libc::SA_SIGINFO;
-        libc::sigemptyset(&mut sa.sa_mask);
-        if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo_t; si_addr is the fault
-    // address for SIGBUS. Only atomics and async-signal-safe calls follow.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    for slot in &TABLE {
-        let start = slot.start.load(Ordering::Acquire);
-        let len = slot.len.load(Ordering::Acquire);
-        if start != 0 && len != 0 && addr >= start && addr < start + len {
-            // SAFETY: replaces exactly our own mapping [start, start+len)
-            // with private anonymous memory; nothing else lives there.
-            let r = unsafe {
-                libc::mmap(
-                    start as *mut libc::c_void,
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-            if r != libc::MAP_FAILED {
-                LOST.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            break;
-        }
-    }
-    // Not ours: the default action (the fault repeats on return).
-    // SAFETY: signal(2) is async-signal-safe.
-    unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+    sigbus::install_handler()
 }
 
 #[cfg(test)]
@@ -252,7 +160,7 @@ mod tests {
         f.set_len(8192).unwrap();
         let r = map_region(&f, 0, 8192, 0).unwrap();
         let (start, _) = r.mapping().host_range();
-        let registered = || TABLE.iter().any(|s| s.start.load(Ordering::Acquire) == start);
+        let registered = || sigbus::TABLE.iter().any(|s| s.holds(start));
         assert!(registered());
         drop(r);
         assert!(!registered(), "unregistered before it is unmapped");
@@ -263,7 +171,7 @@ mod tests {
         // A table of its own: the process-wide one is shared with the
         // other tests.
         static SMALL: [Slot; 2] = [const { Slot::new() }; 2];
-        let in_table = |m: &Arc<Mapping>| SMALL.iter().any(|s| s.start.load(Ordering::Acquire) == m.host_range().0);
+        let in_table = |m: &Arc<Mapping>| SMALL.iter().any(|s| s.holds(m.host_range().0));
         let f = tempfile();
         f.set_len(4 * 4096).unwrap();
         let (a, _) = map_shared_in(&SMALL, &f, 4096, 0).unwrap();
@@ -284,8 +192,9 @@ mod tests {
         drop(a);
         let (c, _) = map_shared_in(&SMALL, &f, 4096, 2 * 4096).unwrap();
         assert!(in_table(&c));
+        let starts = [b.host_range().0, c.host_range().0];
         drop((b, c, s));
-        assert!(SMALL.iter().all(|s| s.start.load(Ordering::Acquire) == 0), "every slot given up");
+        assert!(SMALL.iter().all(|s| starts.iter().all(|&a| !s.holds(a))), "every slot given up");
     }
 
     fn tempfile() -> File {

@@ -1101,6 +1101,38 @@ impl IoBufs {
         }
     }
 
+    /// Copies `data_len()` bytes from `src` into the data pieces, in order:
+    /// a read served from memory (a mapped disk image) rather than by the
+    /// kernel. The device marks the dirty log as for any read
+    /// (`data_written`).
+    ///
+    /// # Safety
+    /// `src` must be readable for `data_len()` bytes and overlap no piece.
+    pub unsafe fn copy_to_data(&self, src: *const u8) {
+        let mut done = 0;
+        for s in &self.data {
+            // SAFETY: the piece lies in memory the held table keeps mapped
+            // (bounds checked when it was lent); the caller vouches for
+            // `src` up to `data_len()`, the sum of the pieces.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(done), s.addr, s.len as usize) };
+            done += s.len as usize;
+        }
+    }
+
+    /// Copies the data pieces, in order, to `dst`: a write served into
+    /// memory (a mapped disk image) rather than by the kernel.
+    ///
+    /// # Safety
+    /// `dst` must be writable for `data_len()` bytes and overlap no piece.
+    pub unsafe fn copy_from_data(&self, dst: *mut u8) {
+        let mut done = 0;
+        for s in &self.data {
+            // SAFETY: as in `copy_to_data`, the other way.
+            unsafe { std::ptr::copy_nonoverlapping(s.addr, dst.add(done), s.len as usize) };
+            done += s.len as usize;
+        }
+    }
+
     /// Stores `bytes` at the start of the reply (`lend_front`), as much
     /// as it holds. Returns the bytes stored (0: no reply lent).
     pub fn write_reply(&self, bytes: &[u8]) -> usize {

@@ -14,12 +14,15 @@
 //! - `split`, `packed`: the two ring layouts (no `unsafe` in either).
 //! - `queue`: either layout behind one type, for devices.
 //! - `ring`: layout constants and feature bits.
+//! - `sigbus`: the SIGBUS handler and its table of mappings a peer may
+//!   truncate (guest memory, mapped disk images).
 
 pub mod chain;
 pub mod guest;
 pub mod packed;
 pub mod queue;
 pub mod ring;
+pub mod sigbus;
 pub mod split;
 
 pub use chain::{Access, Batch, Chain, ChainError, QueueStats, SetupError};
