@@ -37,18 +37,26 @@
 //! - **A fully allocated tmpfs image: copies through a mapping.** Most of
 //!   a preadv's cost on tmpfs is the call and the page-cache lookup (a
 //!   random 4 KiB read here: 2250 cycles against 1000 for a copy from a
-//!   mapping). So an image whose every block is allocated when it is
-//!   opened is mapped once, shared by the queues, and its reads and writes
-//!   are plain copies between the mapping and the guest's buffers. Only
-//!   while nothing can allocate: a mapping's read of a hole allocates the
-//!   page (a preadv does not) and a write into one that cannot be
-//!   allocated faults rather than failing with ENOSPC. So the first discard
-//!   or write-zeroes with unmap this backend queues ends the copies, for
-//!   every queue and for good; from then on preadv/pwritev as above.
-//!   If someone truncates the image, the access past the new end raises
-//!   SIGBUS; virtq's handler replaces the mapping with zero pages and marks
-//!   it lost. The request that saw the mark fails with -EIO and the copies
-//!   end. (A write through the mapping does not update the file's mtime.)
+//!   mapping). So an image with no hole when it is opened (st_blocks cover
+//!   its size and SEEK_HOLE finds none before the end) is mapped once,
+//!   shared by the queues, and its reads and writes are plain copies
+//!   between the mapping and the guest's buffers; write-zeroes without
+//!   unmap of up to 1 MiB stores zeros there. Only while nothing can
+//!   allocate: a mapping's read of a hole allocates the page (a preadv
+//!   does not), and a write into one that cannot be allocated faults
+//!   rather than failing with ENOSPC. So the copies end, for every queue
+//!   and for good (logged), at the first discard or write-zeroes with
+//!   unmap this backend queues, or a larger write-zeroes whose hole the
+//!   kernel fails to allocate again; from then on preadv/pwritev as above.
+//!   The mapping needs virtq's SIGBUS handler installed (vhostd installs
+//!   it at start). If someone truncates the image, the access past the new
+//!   end raises SIGBUS; the handler replaces the mapping with zero pages
+//!   and marks it lost. The request that saw the mark fails with -EIO and
+//!   the copies end. (A write through the mapping may not update the
+//!   file's mtime, and raises no inotify event; a truncation to a size
+//!   that is not a page multiple leaves the last page's tail writable
+//!   without a fault.) On ramfs, whose SEEK_HOLE finds no hole in any
+//!   file, st_blocks alone tells.
 //!   Writes into an image larger than the last-level cache use
 //!   non-temporal stores: a random 4 KiB write then costs no read of the
 //!   64 lines it replaces, and the stores after it stop waiting for those
@@ -70,6 +78,9 @@ use virtq::sigbus;
 
 /// Most data buffers one Read or Write may have; more is refused with -EINVAL.
 pub const MAX_SEGS: usize = 256;
+
+/// Largest write-zeroes a mapped image zeroes in the dataplane thread.
+const ZERO_INLINE: u64 = 1 << 20;
 
 /// Largest `depth` accepted (io_uring's own limit on ring entries).
 const MAX_DEPTH: usize = 32768;
@@ -111,6 +122,8 @@ struct ImageMap {
     /// last-level cache, so a line written at random is evicted before it
     /// is read again, and a plain store first reads the line it replaces.
     streaming: bool,
+    /// The image's path, for the log.
+    name: String,
 }
 
 // SAFETY: the mapping is shared file memory, reached only through raw
@@ -126,9 +139,20 @@ impl ImageMap {
     /// set up (the reason logged): the image then goes through preadv.
     fn new(file: &File, len: u64, read_only: bool, name: &dyn std::fmt::Display) -> Option<ImageMap> {
         use std::os::unix::fs::MetadataExt;
+        let no = |why: &str| tracing::info!("{name}: {why}: no copies through a mapping");
+        if !sigbus::installed() {
+            no("no SIGBUS handler to survive a truncation");
+            return None;
+        }
+        // Both: st_blocks can count blocks past the end (fallocate
+        // --keep-size), and ramfs answers SEEK_HOLE with the end for any
+        // file. tmpfs takes pages fallocated but never written for a hole
+        // (they would be safe, but are refused with it).
         let allocated = file.metadata().ok()?.blocks().saturating_mul(512);
-        if allocated < len {
-            tracing::info!("{name}: not fully allocated ({allocated} of {len} bytes): no copies through a mapping");
+        // SAFETY: lseek on our own descriptor; no memory is passed.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
+        if allocated < len || u64::try_from(hole).ok() != Some(len) {
+            no(&format!("not fully allocated ({allocated} of {len} bytes, the first hole at {hole})"));
             return None;
         }
         let size = usize::try_from(len).ok()?;
@@ -137,13 +161,14 @@ impl ImageMap {
         // the kernel's choice; the result is checked.
         let addr = unsafe { libc::mmap(std::ptr::null_mut(), size, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         if addr == libc::MAP_FAILED {
-            tracing::info!("{name}: cannot map it ({}): no copies through a mapping", io::Error::last_os_error());
+            no(&format!("cannot map it ({})", io::Error::last_os_error()));
             return None;
         }
-        let Some(registration) = sigbus::register(&sigbus::TABLE, (addr as usize, size)) else {
+        // Not counted as guest memory lost: `copy` reports it, by name.
+        let Some(registration) = sigbus::register(&sigbus::TABLE, (addr as usize, size), false) else {
             // SAFETY: the mapping made just above, used by nobody.
             unsafe { libc::munmap(addr, size) };
-            tracing::info!("{name}: the SIGBUS table is full: no copies through a mapping");
+            no("the SIGBUS table is full");
             return None;
         };
         let streaming = len > last_level_cache();
@@ -153,6 +178,7 @@ impl ImageMap {
             registration: Some(registration),
             usable: AtomicBool::new(true),
             streaming,
+            name: name.to_string(),
         })
     }
 
@@ -161,31 +187,61 @@ impl ImageMap {
         self.usable.load(Ordering::Relaxed) && offset.checked_add(len).is_some_and(|end| end <= self.len)
     }
 
-    /// Ends the copies for every queue.
-    fn stop(&self) {
-        self.usable.store(false, Ordering::Relaxed);
+    /// Ends the copies for every queue, saying why the first time.
+    fn stop(&self, why: &str) {
+        if self.usable.swap(false, Ordering::Relaxed) {
+            tracing::info!("{}: {why}: reads and writes go through preadv/pwritev from now on", self.name);
+        }
     }
 
-    /// Copies a read or a write of `bufs` at `offset` (`serves` said yes);
-    /// its result.
-    fn copy(&self, op: Op, offset: u64, bufs: &virtq::IoBufs) -> i64 {
-        // `serves` checked offset + data_len() against the mapping.
-        let at = offset as usize;
-        // SAFETY: [offset, offset + data_len()) lies inside the mapping,
-        // which lives as long as self; the guest's buffers are not in it.
+    /// A read or a write of `bufs` at `offset`, copied, and its result;
+    /// None when the copies do not serve it (the kernel then does).
+    fn copy(&self, op: Op, offset: u64, bufs: &virtq::IoBufs) -> Option<i64> {
+        let len = bufs.data_len();
+        if !self.serves(offset, len) {
+            return None;
+        }
+        let at = self.addr.wrapping_add(offset as usize);
+        // SAFETY: [offset, offset + len) lies inside the mapping (checked
+        // just above), which lives as long as self; the guest's buffers
+        // are not in it.
         unsafe {
             if op == Op::Read {
-                bufs.copy_to_data(self.addr.add(at));
+                bufs.copy_to_data(at);
             } else {
-                bufs.copy_from_data(self.addr.add(at), self.streaming);
+                bufs.copy_from_data(at, self.streaming);
             }
         }
-        // Zeros read, or a write gone nowhere, after a truncation.
+        Some(self.result(len as i64))
+    }
+
+    /// Write-zeroes without unmap of at most `ZERO_INLINE` bytes: stores
+    /// zeros, so the pages stay allocated (the kernel's way on tmpfs
+    /// punches a hole and allocates it again). None when the copies do not
+    /// serve it; a larger range goes to the kernel too, so as not to hold
+    /// the dataplane thread.
+    fn zero(&self, offset: u64, len: u64) -> Option<i64> {
+        if len > ZERO_INLINE || !self.serves(offset, len) {
+            return None;
+        }
+        // SAFETY: [offset, offset + len) lies inside the mapping (checked
+        // just above), which lives as long as self and is writable (a
+        // read-only image refuses write-zeroes before this).
+        unsafe { std::ptr::write_bytes(self.addr.wrapping_add(offset as usize), 0, len as usize) };
+        Some(self.result(0))
+    }
+
+    /// `ok`, or -EIO if a truncation replaced the mapping (zeros read, or
+    /// a write gone nowhere) before or while it was used.
+    fn result(&self, ok: i64) -> i64 {
         if self.registration.as_ref().is_some_and(|r| r.lost()) {
-            self.stop();
+            if self.usable.load(Ordering::Relaxed) {
+                tracing::warn!("{}: the image shrank under its mapping (truncated by another process?)", self.name);
+            }
+            self.stop("lost its mapping");
             return -(libc::EIO as i64);
         }
-        bufs.data_len() as i64
+        ok
     }
 }
 
@@ -507,6 +563,12 @@ impl FileBackend {
                 slot.stage = Stage::ZeroAlloc;
                 None
             }
+            Stage::ZeroAlloc if res < 0 => {
+                if let Some(image) = &self.image {
+                    image.stop("write-zeroes left a hole (allocating it again failed)");
+                }
+                Some(res as i64)
+            }
             _ => Some(if res < 0 { res as i64 } else { 0 }),
         }
     }
@@ -546,9 +608,8 @@ impl BlockBackend for FileBackend {
                 if total > i64::MAX as u64 {
                     return Err(-(libc::EINVAL as i64));
                 }
-                if let Some(image) = self.image.as_ref().filter(|m| m.serves(req.offset, total)) {
+                if let Some(result) = self.image.as_ref().and_then(|m| m.copy(req.op, req.offset, req.bufs)) {
                     // Done now, as below, with no system call.
-                    let result = image.copy(req.op, req.offset, req.bufs);
                     req.bufs.renew_hold(&mut self.slab.holds[idx]);
                     self.ready.push(Completion { tag: req.tag, result });
                     self.stats.submitted += 1;
@@ -599,13 +660,24 @@ impl BlockBackend for FileBackend {
             Op::Discard | Op::WriteZeroes { unmap: true } => {
                 // A hole: a mapping's read of it would allocate it.
                 if let Some(image) = &self.image {
-                    image.stop();
+                    image.stop("a discard punched a hole");
                 }
                 slot.stage = Stage::Simple;
                 self.slab.slots[idx] = slot;
                 fallocate(fd, &slot, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE).user_data(idx as u64)
             }
             Op::WriteZeroes { unmap: false } => {
+                if let Some(image) = &self.image {
+                    if let Some(result) = image.zero(req.offset, req.len) {
+                        self.ready.push(Completion { tag: req.tag, result });
+                        self.stats.submitted += 1;
+                        self.stats.mapped += 1;
+                        return Ok(());
+                    }
+                    // The kernel punches a hole and allocates it again
+                    // (tmpfs has no zero-range); `step` ends the copies
+                    // if the hole stays.
+                }
                 slot.stage = if self.zero_range_unsupported { Stage::ZeroPunch } else { Stage::ZeroRange };
                 self.slab.slots[idx] = slot;
                 self.slab.entry(idx, fd)

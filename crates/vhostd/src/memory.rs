@@ -104,7 +104,7 @@ fn map_shared_in(table: &'static [Slot], file: &File, size: u64, offset: u64) ->
     let (map_off, skip) = if offset.is_multiple_of(4096) { (offset, 0) } else { (0, offset) };
     let len = size.checked_add(skip).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "size overflows"))?;
     let mapping = Mapping::map(file, map_off, len)?;
-    let mapping = match sigbus::register(table, mapping.host_range()) {
+    let mapping = match sigbus::register(table, mapping.host_range(), true) {
         Some(registration) => mapping.with_unmap_guard(Box::new(registration)),
         // Sealed against shrinking: no truncation to survive.
         None if mapping.sealed() => mapping,

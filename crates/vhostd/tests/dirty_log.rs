@@ -243,8 +243,26 @@ fn image_byte(off: u64) -> u8 {
     }
 }
 
-fn blk_case(packed: bool) {
-    let dir = tempdir();
+/// Removes a directory when dropped, passed or failed.
+struct RemoveDir(std::path::PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `shm`: the image in /dev/shm, written out, so vhostd maps it and
+/// copies reads through the mapping rather than the kernel writing them.
+fn blk_case(packed: bool, shm: bool) {
+    let dir = if shm {
+        let d = std::path::Path::new("/dev/shm").join(format!("vhostd-it-dirty-{}-{packed}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    } else {
+        tempdir()
+    };
+    let _remove = shm.then(|| RemoveDir(dir.clone()));
     let img = dir.join("disk.img");
     let size = 4u64 << 20;
     let data: Vec<u8> = (0..size).map(image_byte).collect();
@@ -307,6 +325,9 @@ fn blk_case(packed: bool) {
     assert!(changed.len() >= 20, "only {} pages changed: read data not written?", changed.len());
     assert_logged("blk reads, log on", &changed, &log.dirty_pages());
 
+    if shm {
+        assert!(d.log().contains("copies through a mapping of it"), "the image was not mapped:\n{}", d.log());
+    }
     dev.stop_dirty_log(&[&q.queue]).unwrap();
     log.clear();
     let changed = exchange(&mut dev, &mut q, 8192);
@@ -319,10 +340,15 @@ fn blk_case(packed: bool) {
 
 #[test]
 fn blk_split_read_stores_are_logged() {
-    blk_case(false);
+    blk_case(false, false);
 }
 
 #[test]
 fn blk_packed_read_stores_are_logged() {
-    blk_case(true);
+    blk_case(true, false);
+}
+
+#[test]
+fn blk_reads_copied_from_a_mapped_tmpfs_image_are_logged() {
+    blk_case(false, true);
 }

@@ -1268,8 +1268,8 @@ pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
-/// Copies `n` bytes from `src` to `dst`, the 16-byte aligned 64-byte
-/// blocks of `dst` with non-temporal stores, the rest with plain ones. The
+/// Copies `n` bytes from `src` to `dst`, the whole 64-byte lines of `dst`
+/// with non-temporal stores, the rest with plain ones. The
 /// caller fences (`store_fence`) before anyone may read `dst`.
 ///
 /// # Safety
@@ -1278,10 +1278,11 @@ unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: every access lies in [src, src+n) or [dst, dst+n), which the
     // caller vouches for; the streamed stores are to 16-byte aligned
-    // addresses; SSE2 is baseline on x86_64.
+    // addresses (in whole lines); SSE2 is baseline on x86_64.
     unsafe {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        let head = dst.align_offset(16).min(n);
+        // Whole lines only: a partly streamed line costs a partial write.
+        let head = dst.align_offset(64).min(n);
         std::ptr::copy_nonoverlapping(src, dst, head);
         let mut i = head;
         while i + 64 <= n {

@@ -5,9 +5,9 @@
 //! pages raise SIGBUS. The handler here finds the registered mapping the
 //! fault is in, marks it lost, replaces the whole mapping with private zero
 //! pages (so the access, retried, goes on: reads see zeros, writes go
-//! nowhere) and counts it. The mapping's owner reads the mark
-//! ([`Registration::lost`]) and stops trusting what it copied. Faults
-//! anywhere else keep their default action.
+//! nowhere) and, for guest memory, counts it ([`lost_mappings`]). The
+//! mapping's owner reads the mark ([`Registration::lost`]) and stops
+//! trusting what it copied. Faults anywhere else keep their default action.
 //!
 //! One table for the process, as there is one handler: vhostd registers
 //! guest memory and block-backends registers mapped images in it.
@@ -15,21 +15,30 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
 /// Mappings the handler covers at once.
 pub const SLOTS: usize = 1024;
 
 /// One live mapping the handler covers: its start and length (start 0: a
-/// free slot), and whether a fault replaced it.
+/// free slot), whether a fault replaced it, and whether that counts in
+/// [`lost_mappings`].
 pub struct Slot {
     start: AtomicUsize,
     len: AtomicUsize,
     lost: AtomicBool,
+    counted: AtomicBool,
 }
 
 impl Slot {
     /// A free slot (for a table of one's own: tests).
     pub const fn new() -> Slot {
-        Slot { start: AtomicUsize::new(0), len: AtomicUsize::new(0), lost: AtomicBool::new(false) }
+        Slot {
+            start: AtomicUsize::new(0),
+            len: AtomicUsize::new(0),
+            lost: AtomicBool::new(false),
+            counted: AtomicBool::new(false),
+        }
     }
 
     /// Whether the slot covers a mapping starting at `addr`.
@@ -62,11 +71,13 @@ impl Registration {
 
 /// Takes a free slot of `table` for the mapping at `addr` of `len` bytes;
 /// None when every slot is taken. Only [`TABLE`]'s slots are covered by the
-/// handler.
-pub fn register(table: &'static [Slot], (addr, len): (usize, usize)) -> Option<Registration> {
+/// handler. `counted`: a loss counts in [`lost_mappings`] (guest memory,
+/// which the frontend shrank); otherwise its owner reports it.
+pub fn register(table: &'static [Slot], (addr, len): (usize, usize), counted: bool) -> Option<Registration> {
     for slot in table {
         if slot.start.compare_exchange(0, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
             slot.lost.store(false, Ordering::Release);
+            slot.counted.store(counted, Ordering::Release);
             // Last: the handler matches a slot only once its length is set.
             slot.len.store(len, Ordering::Release);
             return Some(Registration(slot));
@@ -82,9 +93,16 @@ impl Drop for Registration {
     }
 }
 
-/// Mappings replaced by zero pages after their file shrank (since start).
+/// Counted mappings (guest memory) replaced by zero pages after their
+/// file shrank (since start).
 pub fn lost_mappings() -> u64 {
     LOST.load(Ordering::Relaxed)
+}
+
+/// Whether the handler is installed: without it, a truncated mapping's
+/// next access kills the process.
+pub fn installed() -> bool {
+    INSTALLED.load(Ordering::Acquire)
 }
 
 /// Installs the SIGBUS handler (once, early; before threads start).
@@ -100,6 +118,7 @@ pub fn install_handler() -> io::Result<()> {
             return Err(io::Error::last_os_error());
         }
     }
+    INSTALLED.store(true, Ordering::Release);
     Ok(())
 }
 
@@ -127,7 +146,9 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
                 )
             };
             if r != libc::MAP_FAILED {
-                LOST.fetch_add(1, Ordering::Relaxed);
+                if slot.counted.load(Ordering::Acquire) {
+                    LOST.fetch_add(1, Ordering::Relaxed);
+                }
                 return;
             }
             break;
@@ -145,15 +166,15 @@ mod tests {
     #[test]
     fn a_slot_is_marked_lost_only_for_its_own_life() {
         static SMALL: [Slot; 1] = [const { Slot::new() }; 1];
-        let r = register(&SMALL, (0x1000, 0x1000)).unwrap();
+        let r = register(&SMALL, (0x1000, 0x1000), true).unwrap();
         assert!(SMALL[0].holds(0x1000) && !r.lost());
-        assert!(register(&SMALL, (0x3000, 0x1000)).is_none(), "full");
+        assert!(register(&SMALL, (0x3000, 0x1000), true).is_none(), "full");
         SMALL[0].lost.store(true, Ordering::Release);
         assert!(r.lost());
         drop(r);
         assert!(!SMALL[0].holds(0x1000));
         // The next owner starts unmarked.
-        let r = register(&SMALL, (0x5000, 0x1000)).unwrap();
+        let r = register(&SMALL, (0x5000, 0x1000), false).unwrap();
         assert!(SMALL[0].holds(0x5000) && !r.lost());
     }
 }
