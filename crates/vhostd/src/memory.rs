@@ -2,8 +2,9 @@
 //! shares, addressed three ways (guest-physical, the frontend's own virtual
 //! addresses, where ring addresses are given, and an offset into the file).
 //! The memory table itself (virtq's `GuestMemory`) knows only guest-physical
-//! addresses; this module keeps the frontend-virtual side and survives a
-//! frontend that truncates a file under its mapping.
+//! addresses; this module keeps the frontend-virtual side and registers
+//! each mapping with virtq's SIGBUS handler, to survive a frontend that
+//! truncates a file under it.
 
 use std::fs::File;
 use std::io;
@@ -121,18 +122,6 @@ fn map_shared_in(table: &'static [Slot], file: &File, size: u64, offset: u64) ->
         }
     };
     Ok((Arc::new(mapping), skip))
-}
-
-/// Mappings replaced by zero pages after their file shrank (since start).
-pub fn lost_mappings() -> u64 {
-    sigbus::lost_mappings()
-}
-
-/// Installs the SIGBUS handler (once, early; before threads start): a
-/// frontend truncating guest memory under us costs that memory, not the
-/// process (virtq's `sigbus`).
-pub fn install_sigbus_handler() -> io::Result<()> {
-    sigbus::install_handler()
 }
 
 #[cfg(test)]

@@ -214,8 +214,9 @@ impl Daemon {
 /// come and go at runtime (`vhostd ctl`), and the daemon may start with none.
 pub fn run(devices: Vec<DeviceSpec>, globals: Globals) -> io::Result<()> {
     let signals = Signals::new()?;
-    // A frontend truncating guest memory under us costs that memory, not the process.
-    crate::memory::install_sigbus_handler()?;
+    // A file truncated under a mapping (guest memory, a tmpfs image) costs
+    // that mapping, not the process.
+    virtq::sigbus::install_handler()?;
     let named = devices.len() > 1;
     let daemon = Arc::new(Daemon::new(globals.pool.as_ref())?);
     if let (Some(p), Some(spec)) = (&daemon.pool, &globals.pool) {

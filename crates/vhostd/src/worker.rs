@@ -333,7 +333,7 @@ struct Worker {
     /// polled). Kept from attach and detach, not recomputed per idle pass.
     attached: bool,
     must_poll: bool,
-    /// `memory::lost_mappings()` as last logged.
+    /// `virtq::sigbus::lost_mappings()` (guest memory) as last logged.
     lost_seen: u64,
 }
 
@@ -405,7 +405,7 @@ pub fn spawn(
         stopping: Vec::new(),
         attached: false,
         must_poll: false,
-        lost_seen: crate::memory::lost_mappings(),
+        lost_seen: virtq::sigbus::lost_mappings(),
     };
     let span_name = name.to_string();
     // Thread names are at most 15 bytes: "vhostd-q3", "vhostd-w12".
@@ -833,7 +833,7 @@ impl Worker {
     /// Signals NEEDS_RESET (once per ring) for rings the guest broke, and
     /// logs malformed chains (rate-limited).
     fn check_rings(&mut self, k: usize) {
-        let lost = crate::memory::lost_mappings();
+        let lost = virtq::sigbus::lost_mappings();
         if lost != self.lost_seen {
             self.lost_seen = lost;
             tracing::error!(
