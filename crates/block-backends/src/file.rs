@@ -490,6 +490,14 @@ impl FileBackend {
         }
     }
 
+    /// A request finished in `queue` (inline; `mapped`: by the image's
+    /// mapping): its completion waits for the next `reap`.
+    fn done_now(&mut self, tag: u64, result: i64, mapped: bool) {
+        self.ready.push(Completion { tag, result });
+        self.stats.submitted += 1;
+        self.stats.mapped += mapped as u64;
+    }
+
     /// `entry`, handed to the kernel's workers at once where the file
     /// system could hold the submitting thread (`SERVER_FS`).
     fn flagged(&self, entry: squeue::Entry) -> squeue::Entry {
@@ -611,9 +619,7 @@ impl BlockBackend for FileBackend {
                 if let Some(result) = self.image.as_ref().and_then(|m| m.copy(req.op, req.offset, req.bufs)) {
                     // Done now, as below, with no system call.
                     req.bufs.renew_hold(&mut self.slab.holds[idx]);
-                    self.ready.push(Completion { tag: req.tag, result });
-                    self.stats.submitted += 1;
-                    self.stats.mapped += 1;
+                    self.done_now(req.tag, result, true);
                     return Ok(());
                 }
                 let base = idx * MAX_SEGS;
@@ -631,8 +637,7 @@ impl BlockBackend for FileBackend {
                     self.slab.slots[idx] = slot;
                     let result = self.transfer_inline(idx);
                     self.slab.slots[idx] = FREE_SLOT;
-                    self.ready.push(Completion { tag: req.tag, result });
-                    self.stats.submitted += 1;
+                    self.done_now(req.tag, result, false);
                     return Ok(());
                 }
                 if total == 0 {
@@ -669,9 +674,7 @@ impl BlockBackend for FileBackend {
             Op::WriteZeroes { unmap: false } => {
                 if let Some(image) = &self.image {
                     if let Some(result) = image.zero(req.offset, req.len) {
-                        self.ready.push(Completion { tag: req.tag, result });
-                        self.stats.submitted += 1;
-                        self.stats.mapped += 1;
+                        self.done_now(req.tag, result, true);
                         return Ok(());
                     }
                     // The kernel punches a hole and allocates it again
