@@ -716,13 +716,19 @@ fn blocks(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().blocks()
 }
 
+/// An image in /dev/shm of `size` bytes of `byte`, written out (so the file
+/// backend maps it), with the SIGBUS handler installed, as vhostd does
+/// (images are mapped only with it); None if /dev/shm is not a tmpfs.
+fn shm_image(what: &str, size: usize, byte: u8) -> Option<Temp> {
+    let shm = shm()?;
+    virtq::sigbus::install_handler().unwrap();
+    Some(Temp::filled(shm, what, size, byte))
+}
+
 #[test]
 fn a_fully_allocated_tmpfs_image_is_copied_through_a_mapping() {
-    let Some(shm) = shm() else { return };
-    // Images are mapped only with the handler there (vhostd installs it).
-    virtq::sigbus::install_handler().unwrap();
     const SIZE: usize = 256 << 10;
-    let t = Temp::filled(shm, "mapped", SIZE, 0x3c);
+    let Some(t) = shm_image("mapped", SIZE, 0x3c) else { return };
     let mut b = one(&t.path, 4);
     let fd = b.completion_fd().unwrap();
     let mut g = Guest::new();
@@ -760,10 +766,8 @@ fn a_fully_allocated_tmpfs_image_is_copied_through_a_mapping() {
 
 #[test]
 fn a_discard_ends_the_copies_for_every_queue() {
-    let Some(shm) = shm() else { return };
-    virtq::sigbus::install_handler().unwrap();
     const SIZE: usize = 1 << 20;
-    let t = Temp::filled(shm, "mapped-discard", SIZE, 0x77);
+    let Some(t) = shm_image("mapped-discard", SIZE, 0x77) else { return };
     let (_, mut queues) = open_file(&t.path, false, false, 2, 4).unwrap();
     let (mut q1, mut q0) = (queues.pop().unwrap(), queues.pop().unwrap());
     assert!(read_all(q1.as_mut(), 0, 4096).iter().all(|&x| x == 0x77));
@@ -782,12 +786,10 @@ fn a_discard_ends_the_copies_for_every_queue() {
 
 #[test]
 fn an_image_with_a_hole_is_not_mapped_even_with_blocks_past_its_end() {
-    let Some(shm) = shm() else { return };
-    virtq::sigbus::install_handler().unwrap();
     const SIZE: usize = 64 << 10;
     // Blocks past the end make up for a hole inside: st_blocks alone would
     // say fully allocated.
-    let t = Temp::filled(shm, "mapped-holed", SIZE, 0x42);
+    let Some(t) = shm_image("mapped-holed", SIZE, 0x42) else { return };
     let f = std::fs::OpenOptions::new().write(true).open(&t.path).unwrap();
     // SAFETY: fallocate on a descriptor we own; no memory is passed.
     unsafe {
@@ -817,10 +819,8 @@ fn an_image_with_a_hole_is_not_mapped_even_with_blocks_past_its_end() {
 
 #[test]
 fn write_zeroes_on_a_mapped_image() {
-    let Some(shm) = shm() else { return };
-    virtq::sigbus::install_handler().unwrap();
     const SIZE: usize = 4 << 20;
-    let t = Temp::filled(shm, "mapped-wz", SIZE, 0x99);
+    let Some(t) = shm_image("mapped-wz", SIZE, 0x99) else { return };
     let mut b = one(&t.path, 4);
     let full = blocks(&t.path);
     // Without unmap, up to 1 MiB: zeros stored through the mapping; the
@@ -848,11 +848,8 @@ fn write_zeroes_on_a_mapped_image() {
 
 #[test]
 fn a_truncated_image_fails_the_request_and_ends_the_copies() {
-    let Some(shm) = shm() else { return };
-    // Without the handler the truncated mapping's SIGBUS kills the test.
-    virtq::sigbus::install_handler().unwrap();
     const SIZE: usize = 64 << 10;
-    let t = Temp::filled(shm, "mapped-truncated", SIZE, 0x11);
+    let Some(t) = shm_image("mapped-truncated", SIZE, 0x11) else { return };
     let mut b = one(&t.path, 4);
     let mut g = Guest::new();
     let (at, w) = (g.alloc(4096, 0), g.alloc(4096, 0xee));
