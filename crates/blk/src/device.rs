@@ -240,7 +240,18 @@ impl QueueGroup for BlkGroup {
                 Metric::gauge("vhostd_blk_max_in_flight", "Most requests in flight at once."),
             ),
         ];
-        let group = vec![Counter::plain("submit_calls", self.queue.backend_stats().submit_calls)];
+        let backend = self.queue.backend_stats();
+        let group = vec![
+            Counter::plain("submit_calls", backend.submit_calls),
+            Counter::new(
+                "mapped_copies",
+                backend.mapped,
+                Metric::counter(
+                    "vhostd_blk_mapped_copies_total",
+                    "Reads and writes copied through a mapping of the image, with no system call.",
+                ),
+            ),
+        ];
         Counters { rings: vec![ring], group }
     }
 }

@@ -535,7 +535,19 @@ impl QueueGroup for ReqGroup {
                 Metric::gauge("vhostd_scsi_max_in_flight", "Most commands in flight at once."),
             ),
         ];
-        Counters { rings: vec![ring], group: vec![Counter::plain("submit_calls", self.queue.submit_calls())] }
+        let b = self.queue.backend_stats();
+        let group = vec![
+            Counter::plain("submit_calls", b.submit_calls),
+            Counter::new(
+                "mapped_copies",
+                b.mapped,
+                Metric::counter(
+                    "vhostd_scsi_mapped_copies_total",
+                    "Reads and writes copied through a mapping of the image, with no system call.",
+                ),
+            ),
+        ];
+        Counters { rings: vec![ring], group }
     }
 }
 

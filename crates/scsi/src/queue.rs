@@ -18,7 +18,7 @@ use std::os::unix::io::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use vhostd_block_backends::{BlockBackend, Completion, Op, Request};
+use vhostd_block_backends::{BlockBackend, BlockStats, Completion, Op, Request};
 use vhostd_device::{InflightLog, RequestRing};
 use virtq::{Batch, GuestBufs, IoBufs, Queue};
 use vmm_sys_util::eventfd::EventFd;
@@ -227,9 +227,16 @@ impl ScsiQueue {
         let _ = self.wake.read();
     }
 
-    /// Backend submission calls, all units.
-    pub fn submit_calls(&self) -> u64 {
-        self.units.iter().map(|u| u.backend.stats().submit_calls).sum()
+    /// The units' backends' submission calls and mapped copies, summed
+    /// (the other fields stay 0).
+    pub fn backend_stats(&self) -> BlockStats {
+        let mut sum = BlockStats::default();
+        for u in &self.units {
+            let s = u.backend.stats();
+            sum.submit_calls += s.submit_calls;
+            sum.mapped += s.mapped;
+        }
+        sum
     }
 
     /// Takes the device's units that are new since the last look (their

@@ -263,6 +263,8 @@ fn blk_case(packed: bool, shm: bool) {
         tempdir()
     };
     let _remove = shm.then(|| RemoveDir(dir.clone()));
+    let mapped = on_tmpfs(&dir);
+    assert!(mapped || !shm, "/dev/shm is not a tmpfs");
     let img = dir.join("disk.img");
     let size = 4u64 << 20;
     let data: Vec<u8> = (0..size).map(image_byte).collect();
@@ -335,7 +337,10 @@ fn blk_case(packed: bool, shm: bool) {
     assert_eq!(log.dirty_pages(), BTreeSet::new(), "pages marked with LOG_ALL cleared");
     drop(q);
     dev.disconnect().unwrap();
-    d.stop();
+    let s = d.stop();
+    // Three exchanges of 32 reads: on tmpfs (always with `shm`) every one
+    // a copy through the mapping, elsewhere none.
+    assert_eq!(s.queue(0, "mapped_copies"), if mapped { 96 } else { 0 }, "reads copied through the mapping");
 }
 
 #[test]

@@ -667,11 +667,13 @@ fn capacity_mode_pages_and_unit_lists_are_exact() {
 
 #[test]
 fn data_written_reads_back_and_is_in_the_image() {
-    data_written_reads_back_in(Dir::new());
+    let dir = Dir::new();
+    let mapped = on_tmpfs(&dir.0);
+    data_written_reads_back_in(dir, mapped);
 }
 
-/// The same on tmpfs, where the file backend reads and writes in the
-/// worker thread (preadv/pwritev under the default seccomp filter).
+/// The same on tmpfs, where the file backend maps the image (written out,
+/// so with no hole) and copies each read and write through the mapping.
 #[test]
 fn data_written_reads_back_on_tmpfs() {
     if !shm_is_tmpfs() {
@@ -681,10 +683,12 @@ fn data_written_reads_back_on_tmpfs() {
     let _ = fs::remove_dir_all(&d);
     let p = Path::new("/dev/shm").join(d.file_name().unwrap());
     fs::create_dir_all(&p).unwrap();
-    data_written_reads_back_in(Dir(p));
+    data_written_reads_back_in(Dir(p), true);
 }
 
-fn data_written_reads_back_in(dir: Dir) {
+/// `mapped`: the image is on tmpfs, so LUN 0's reads and writes are
+/// copies through its mapping.
+fn data_written_reads_back_in(dir: Dir, mapped: bool) {
     let size = 4u64 << 20;
     let img = dir.image("lun0.img", size);
     let d = start(&[file_lun(0, &img, ""), "5=null,size=64M".into()], &["--queues", "2"]);
@@ -789,6 +793,10 @@ fn data_written_reads_back_in(dir: Dir) {
     expect_queue(&s, 2, &q.t);
     expect_queue(&s, 3, &q2.t);
     check_totals(&s);
+    // LUN 0's reads and writes that moved data: 9 on the first queue, 5 on
+    // the second (the null unit's are not copies, nor is the FUA flush).
+    let copies = (s.queue(2, "mapped_copies"), s.queue(3, "mapped_copies"));
+    assert_eq!(copies, if mapped { (9, 5) } else { (0, 0) }, "copies through the mapping");
 }
 
 // ---------------------------------------------------------------------------

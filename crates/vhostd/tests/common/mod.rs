@@ -529,15 +529,10 @@ pub fn needs_root(what: &str) -> bool {
     false
 }
 
-/// True when /dev/shm is a tmpfs (the file backend then reads and writes
-/// in the worker); false, after a note, when the test must skip.
+/// True when /dev/shm is a tmpfs (the file backend then maps an image
+/// with no hole); false, after a note, when the test must skip.
 pub fn shm_is_tmpfs() -> bool {
-    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
-    // it for a valid C path.
-    let is_tmpfs = unsafe {
-        let mut st: libc::statfs = std::mem::zeroed();
-        libc::statfs(c"/dev/shm".as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
-    };
+    let is_tmpfs = on_tmpfs(std::path::Path::new("/dev/shm"));
     if !is_tmpfs {
         eprintln!("note: /dev/shm is not a tmpfs; skipping");
     }
@@ -676,5 +671,17 @@ pub mod bar0 {
         let mut b = [0u8; 8];
         c.region_read(0, off, &mut b[..len]).unwrap();
         u64::from_le_bytes(b)
+    }
+}
+
+/// Whether `path` lies on a tmpfs.
+pub fn on_tmpfs(path: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return false };
+    // SAFETY: statfs is plain data (all zeros is valid); statfs(2) fills
+    // it for a valid C path.
+    unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
     }
 }
