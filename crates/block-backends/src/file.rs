@@ -165,10 +165,10 @@ impl ImageMap {
             return None;
         }
         // Not counted as guest memory lost: `copy` reports it, by name.
-        let Some(registration) = sigbus::register(&sigbus::TABLE, (addr as usize, size), false) else {
+        let Some(registration) = sigbus::register(sigbus::image_slots(), (addr as usize, size), false) else {
             // SAFETY: the mapping made just above, used by nobody.
             unsafe { libc::munmap(addr, size) };
-            no("the SIGBUS table is full");
+            no("the SIGBUS table's slots for images are all taken");
             return None;
         };
         let streaming = len > last_level_cache();

@@ -90,14 +90,15 @@ pub fn map_region(file: &File, gpa: u64, size: u64, offset: u64) -> io::Result<R
 /// it: an offset that is not page aligned is mapped from the file start,
 /// as libvhost-user does.
 ///
-/// With every slot of the handler's table taken (`sigbus::SLOTS` live mappings), a
+/// With every guest-memory slot of the handler's table taken
+/// (`sigbus::SLOTS - sigbus::IMAGE_SLOTS` live mappings), a
 /// file sealed against shrinking is mapped all the same (it cannot be
 /// truncated under us), but an unsealed one is refused with an error of
 /// kind `StorageFull` (a vfio-user DMA_MAP answers ENOSPC, a vhost-user
 /// SET_MEM_TABLE or ADD_MEM_REG is refused): its frontend could truncate
 /// it and crash vhostd with a SIGBUS nobody handles.
 pub fn map_shared(file: &File, size: u64, offset: u64) -> io::Result<(Arc<Mapping>, u64)> {
-    map_shared_in(&sigbus::TABLE, file, size, offset)
+    map_shared_in(sigbus::guest_memory_slots(), file, size, offset)
 }
 
 /// `map_shared`, registering in `table`.

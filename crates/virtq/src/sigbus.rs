@@ -18,7 +18,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
 /// Mappings the handler covers at once.
-pub const SLOTS: usize = 1024;
+pub const SLOTS: usize = 4096;
+
+/// Of those, the ones mapped disk images may take (the last ones), so that
+/// images never leave guest memory without a slot: a memory region the
+/// handler cannot cover is refused, an image is only read with preadv.
+pub const IMAGE_SLOTS: usize = 1024;
 
 /// One live mapping the handler covers: its start and length (start 0: a
 /// free slot), whether a fault replaced it, and whether that counts in
@@ -55,6 +60,16 @@ impl Default for Slot {
 
 /// The handler's table.
 pub static TABLE: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
+
+/// The part of [`TABLE`] for guest memory.
+pub fn guest_memory_slots() -> &'static [Slot] {
+    &TABLE[..SLOTS - IMAGE_SLOTS]
+}
+
+/// The part of [`TABLE`] for mapped disk images.
+pub fn image_slots() -> &'static [Slot] {
+    &TABLE[SLOTS - IMAGE_SLOTS..]
+}
 static LOST: AtomicU64 = AtomicU64::new(0);
 
 /// A mapping's slot in a table, given up on drop (which the mapping's
@@ -176,5 +191,24 @@ mod tests {
         // The next owner starts unmarked.
         let r = register(&SMALL, (0x5000, 0x1000), false).unwrap();
         assert!(SMALL[0].holds(0x5000) && !r.lost());
+    }
+
+    #[test]
+    fn images_never_take_guest_memory_slots() {
+        // The handler's own table (no test here registers anything else in
+        // it). The addresses are made up: nothing faults.
+        let base = 0x7e00_0000_0000usize;
+        let images: Vec<Registration> = (0..IMAGE_SLOTS)
+            .map(|i| register(image_slots(), (base + i * 0x1000, 0x1000), false).expect("an image slot"))
+            .collect();
+        assert!(register(image_slots(), (base - 0x1000, 0x1000), false).is_none(), "image slots all taken");
+        let guest = base + 0x1000_0000;
+        let memory = register(guest_memory_slots(), (guest, 0x1000), true).expect("guest memory keeps its slots");
+        assert!(guest_memory_slots().iter().any(|s| s.holds(guest)));
+        assert!(!image_slots().iter().any(|s| s.holds(guest)));
+        assert_eq!(guest_memory_slots().len() + image_slots().len(), SLOTS);
+        drop(memory);
+        drop(images);
+        assert!(!TABLE.iter().any(|s| s.holds(base) || s.holds(guest)), "slots given back");
     }
 }
