@@ -12,7 +12,7 @@
 //! format is the device's own (`vhostd_scsi::wire`, re-exported here).
 //!
 //! Each request queue has `depth` slots; a slot owns a 256-byte control
-//! block (request header at 0, response header at 64) and a page-aligned
+//! block (request header at 0, response header at 52) and a page-aligned
 //! data area in guest memory for its whole life, and keeps its chain's
 //! descriptors between commands of the same shape (`DriverRing::prepare` +
 //! `repost`), so the steady state writes no descriptors and allocates
