@@ -227,14 +227,17 @@ impl ScsiQueue {
         let _ = self.wake.read();
     }
 
-    /// The units' backends' submission calls and mapped copies, summed
-    /// (the other fields stay 0).
+    /// The units' backends' statistics, summed.
     pub fn backend_stats(&self) -> BlockStats {
         let mut sum = BlockStats::default();
         for u in &self.units {
-            let s = u.backend.stats();
-            sum.submit_calls += s.submit_calls;
-            sum.mapped += s.mapped;
+            // Every field named: one added to BlockStats must be summed here.
+            let BlockStats { submitted, completed, errors, submit_calls, mapped } = u.backend.stats();
+            sum.submitted += submitted;
+            sum.completed += completed;
+            sum.errors += errors;
+            sum.submit_calls += submit_calls;
+            sum.mapped += mapped;
         }
         sum
     }
