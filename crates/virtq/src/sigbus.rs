@@ -60,6 +60,7 @@ impl Default for Slot {
 
 /// The handler's table.
 pub static TABLE: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
+static LOST: AtomicU64 = AtomicU64::new(0);
 
 /// The part of [`TABLE`] for guest memory.
 pub fn guest_memory_slots() -> &'static [Slot] {
@@ -70,7 +71,6 @@ pub fn guest_memory_slots() -> &'static [Slot] {
 pub fn image_slots() -> &'static [Slot] {
     &TABLE[SLOTS - IMAGE_SLOTS..]
 }
-static LOST: AtomicU64 = AtomicU64::new(0);
 
 /// A mapping's slot in a table, given up on drop (which the mapping's
 /// owner does just before it unmaps).
