@@ -44,10 +44,18 @@
 //!   unmap of up to 1 MiB stores zeros there. Only while nothing can
 //!   allocate: a mapping's read of a hole allocates the page (a preadv
 //!   does not), and a write into one that cannot be allocated faults
-//!   rather than failing with ENOSPC. So the copies end, for every queue
-//!   and for good (logged), at the first discard or write-zeroes with
-//!   unmap this backend queues, or a larger write-zeroes whose hole the
-//!   kernel fails to allocate again; from then on preadv/pwritev as above.
+//!   rather than failing with ENOSPC. So the copies stop (logged) at the
+//!   first discard or write-zeroes with unmap queued on the image through
+//!   any of its opens in this process (two devices, or two LUNs, on one
+//!   file share one `ImageState`), or at a larger write-zeroes whose hole
+//!   the kernel fails to allocate again; meanwhile preadv/pwritev as
+//!   above. They resume (logged) once the image is fully allocated again
+//!   (the holes written again: fallocate alone leaves tmpfs pages it
+//!   allocated unwritten, which SEEK_HOLE reports as holes): while
+//!   they are stopped, a look at most once a second (`LOOK_EVERY`) fstats
+//!   the image and, if its blocks cover it, a thread of its own runs the
+//!   SEEK_HOLE walk (14 ms for a 1 GiB image, too long for a dataplane)
+//!   and resumes the copies only if no hole-making request ran meanwhile.
 //!   The mapping needs virtq's SIGBUS handler installed (vhostd installs
 //!   it at start). If someone truncates the image, the access past the new
 //!   end raises SIGBUS; the handler replaces the mapping with zero pages
@@ -73,7 +81,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 use virtq::sigbus;
 
 /// Most data buffers one Read or Write may have; more is refused with -EINVAL.
@@ -116,14 +125,169 @@ struct ImageMap {
     /// In virtq's SIGBUS table while mapped (None only in drop): a
     /// truncation marks it lost.
     registration: Option<sigbus::Registration>,
-    /// Copies may go on: nothing punched a hole and no fault replaced it.
-    usable: AtomicBool,
+    /// Whether copies may go on, shared with the image's other opens.
+    state: Arc<ImageState>,
     /// Writes use non-temporal stores: the image is larger than the
     /// last-level cache, so a line written at random is evicted before it
     /// is read again, and a plain store first reads the line it replaces.
     streaming: bool,
+}
+
+/// How often, at most, a stopped image is looked at for holes.
+const LOOK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Requests a backend sends to the kernel between two looks at the clock
+/// while its image's copies are stopped.
+const LOOK_CHECK_EVERY: u32 = 64;
+
+/// What every open of one image on a memory file system shares in this
+/// process (devices and LUNs on the same file; `state_of`): whether its
+/// mappings may serve copies. A hole punched through any open stops them
+/// for all; a look that finds the image fully allocated again, with no
+/// hole-making request run meanwhile, resumes them.
+struct ImageState {
+    /// Copies may go on. Read on every copy; changed under `holes`.
+    usable: AtomicBool,
+    holes: Mutex<Holes>,
     /// The image's path, for the log.
     name: String,
+}
+
+struct Holes {
+    /// Discards and write-zeroes with unmap queued and not yet finished.
+    making: u32,
+    /// Hole-making requests ever queued: a look counts only if none
+    /// started while it ran.
+    started: u64,
+    /// A mapping of it was lost (it shrank): no copies from then on.
+    lost: bool,
+    /// A look is running on its own thread.
+    looking: bool,
+    /// When the copies stopped or the last look began.
+    last_look: Instant,
+}
+
+/// An open image's file: its device and inode numbers.
+type FileId = (u64, u64);
+
+/// The images on memory file systems this process has open; dead
+/// entries are dropped as new ones come.
+static IMAGES: Mutex<Vec<(FileId, Weak<ImageState>)>> = Mutex::new(Vec::new());
+
+/// The state every open of `file` (on a memory file system) shares.
+fn state_of(file: &File, name: &dyn std::fmt::Display) -> io::Result<Arc<ImageState>> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata()?;
+    let key = (meta.dev(), meta.ino());
+    let mut images = IMAGES.lock().unwrap_or_else(|e| e.into_inner());
+    images.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(state) = images.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+        return Ok(state);
+    }
+    let state = Arc::new(ImageState {
+        usable: AtomicBool::new(true),
+        holes: Mutex::new(Holes { making: 0, started: 0, lost: false, looking: false, last_look: Instant::now() }),
+        name: name.to_string(),
+    });
+    images.push((key, Arc::downgrade(&state)));
+    Ok(state)
+}
+
+/// Whether `file` has no hole in its first `len` bytes: its blocks cover
+/// them and SEEK_HOLE finds none before `len`. The reason if not.
+fn fully_allocated(file: &File, len: u64) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    // Both: st_blocks can count blocks past the end (fallocate
+    // --keep-size), and ramfs answers SEEK_HOLE with the end for any
+    // file. tmpfs takes pages fallocated but never written for a hole
+    // (they would be safe, but are refused with it).
+    let allocated = file.metadata().map_err(|e| format!("fstat: {e}"))?.blocks().saturating_mul(512);
+    if allocated < len {
+        return Err(format!("not fully allocated ({allocated} of {len} bytes)"));
+    }
+    // SAFETY: lseek on a descriptor `file` owns; no memory is passed.
+    let hole = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
+    match u64::try_from(hole) {
+        Ok(at) if at >= len => Ok(()),
+        _ => Err(format!("not fully allocated (the first hole at {hole} of {len} bytes)")),
+    }
+}
+
+impl ImageState {
+    /// A discard or write-zeroes with unmap is queued: the copies stop
+    /// until it has finished and a look finds no hole.
+    fn hole_started(&self, why: &str) {
+        let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+        h.making += 1;
+        h.started += 1;
+        h.last_look = Instant::now();
+        self.stop_locked(why);
+    }
+
+    fn hole_finished(&self) {
+        let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+        h.making = h.making.saturating_sub(1);
+    }
+
+    /// Stops the copies (a hole the kernel left; a mapping lost, `lose`),
+    /// saying why the first time.
+    fn stop(&self, why: &str, lose: bool) {
+        let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+        h.lost |= lose;
+        h.last_look = Instant::now();
+        self.stop_locked(why);
+    }
+
+    fn stop_locked(&self, why: &str) {
+        if self.usable.swap(false, Ordering::Relaxed) {
+            tracing::info!(
+                "{}: {why}: reads and writes go through preadv/pwritev until it is fully allocated again",
+                self.name
+            );
+        }
+    }
+
+    /// While the copies are stopped, looks (at most every `LOOK_EVERY`)
+    /// whether `file` is fully allocated again up to `len`: an fstat
+    /// here, and if its blocks cover the image, the SEEK_HOLE walk on a
+    /// thread of its own, which resumes the copies if no hole-making
+    /// request started or ran meanwhile.
+    fn look(self: &Arc<Self>, file: &Arc<File>, len: u64) {
+        let started = {
+            let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+            if self.usable.load(Ordering::Relaxed) || h.lost || h.looking || h.making > 0 {
+                return;
+            }
+            if h.last_look.elapsed() < LOOK_EVERY {
+                return;
+            }
+            h.last_look = Instant::now();
+            h.started
+        };
+        use std::os::unix::fs::MetadataExt;
+        // Most looks end here: the holes are still there.
+        if file.metadata().map_or(true, |m| m.blocks().saturating_mul(512) < len) {
+            return;
+        }
+        self.holes.lock().unwrap_or_else(|e| e.into_inner()).looking = true;
+        let (state, file) = (self.clone(), file.clone());
+        let walk = move || {
+            let found = fully_allocated(&file, len);
+            let mut h = state.holes.lock().unwrap_or_else(|e| e.into_inner());
+            h.looking = false;
+            if found.is_ok() && h.started == started && h.making == 0 && !h.lost {
+                state.usable.store(true, Ordering::Relaxed);
+                tracing::info!(
+                    "{}: fully allocated again: reads and writes are copies through its mapping",
+                    state.name
+                );
+            }
+        };
+        if let Err(e) = std::thread::Builder::new().name("vhostd-image-look".into()).spawn(walk) {
+            tracing::debug!("{}: no thread to look for holes: {e}", self.name);
+            self.holes.lock().unwrap_or_else(|e| e.into_inner()).looking = false;
+        }
+    }
 }
 
 // SAFETY: the mapping is shared file memory, reached only through raw
@@ -137,23 +301,32 @@ impl ImageMap {
     /// Maps `file` (of `len` bytes) for reading, and writing unless
     /// `read_only`. None where copies would not be safe or could not be
     /// set up (the reason logged): the image then goes through preadv.
-    fn new(file: &File, len: u64, read_only: bool, name: &dyn std::fmt::Display) -> Option<ImageMap> {
-        use std::os::unix::fs::MetadataExt;
-        let no = |why: &str| tracing::info!("{name}: {why}: no copies through a mapping");
+    fn new(file: &File, len: u64, read_only: bool, state: &Arc<ImageState>) -> Option<ImageMap> {
+        let no = |why: &str| tracing::info!("{}: {why}: no copies through a mapping", state.name);
         if !sigbus::installed() {
             no("no SIGBUS handler to survive a truncation");
             return None;
         }
-        // Both: st_blocks can count blocks past the end (fallocate
-        // --keep-size), and ramfs answers SEEK_HOLE with the end for any
-        // file. tmpfs takes pages fallocated but never written for a hole
-        // (they would be safe, but are refused with it).
-        let allocated = file.metadata().ok()?.blocks().saturating_mul(512);
-        // SAFETY: lseek on our own descriptor; no memory is passed.
-        let hole = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_HOLE) };
-        if allocated < len || u64::try_from(hole).ok() != Some(len) {
-            no(&format!("not fully allocated ({allocated} of {len} bytes, the first hole at {hole})"));
+        let started = {
+            let h = state.holes.lock().unwrap_or_else(|e| e.into_inner());
+            if h.lost {
+                no("a mapping of it was lost (it shrank)");
+                return None;
+            }
+            h.started
+        };
+        if let Err(why) = fully_allocated(file, len) {
+            no(&why);
             return None;
+        }
+        {
+            // As for a look: only if no hole was made while it ran.
+            let h = state.holes.lock().unwrap_or_else(|e| e.into_inner());
+            if h.started != started || h.making > 0 || h.lost {
+                no("a discard or a truncation came while it was looked at");
+                return None;
+            }
+            state.usable.store(true, Ordering::Relaxed);
         }
         let size = usize::try_from(len).ok()?;
         let prot = if read_only { libc::PROT_READ } else { libc::PROT_READ | libc::PROT_WRITE };
@@ -172,26 +345,12 @@ impl ImageMap {
             return None;
         };
         let streaming = len > last_level_cache();
-        Some(ImageMap {
-            addr: addr as *mut u8,
-            len,
-            registration: Some(registration),
-            usable: AtomicBool::new(true),
-            streaming,
-            name: name.to_string(),
-        })
+        Some(ImageMap { addr: addr as *mut u8, len, registration: Some(registration), state: state.clone(), streaming })
     }
 
     /// Whether copies may serve `len` bytes at `offset`.
     fn serves(&self, offset: u64, len: u64) -> bool {
-        self.usable.load(Ordering::Relaxed) && offset.checked_add(len).is_some_and(|end| end <= self.len)
-    }
-
-    /// Ends the copies for every queue, saying why the first time.
-    fn stop(&self, why: &str) {
-        if self.usable.swap(false, Ordering::Relaxed) {
-            tracing::info!("{}: {why}: reads and writes go through preadv/pwritev from now on", self.name);
-        }
+        self.state.usable.load(Ordering::Relaxed) && offset.checked_add(len).is_some_and(|end| end <= self.len)
     }
 
     /// A read or a write of `bufs` at `offset`, copied, and its result;
@@ -235,10 +394,13 @@ impl ImageMap {
     /// a write gone nowhere) before or while it was used.
     fn result(&self, ok: i64) -> i64 {
         if self.registration.as_ref().is_some_and(|r| r.lost()) {
-            if self.usable.load(Ordering::Relaxed) {
-                tracing::warn!("{}: the image shrank under its mapping (truncated by another process?)", self.name);
+            if self.state.usable.load(Ordering::Relaxed) {
+                tracing::warn!(
+                    "{}: the image shrank under its mapping (truncated by another process?)",
+                    self.state.name
+                );
             }
-            self.stop("lost its mapping");
+            self.state.stop("lost its mapping", true);
             return -(libc::EIO as i64);
         }
         ok
@@ -270,9 +432,13 @@ struct Slot {
     /// The unfinished iovecs: this slot's storage `[iov_first, iov_end)`.
     iov_first: usize,
     iov_end: usize,
+    /// A discard or write-zeroes with unmap: the image's copies wait for
+    /// its completion (`ImageState::hole_finished`).
+    hole: bool,
 }
 
-const FREE_SLOT: Slot = Slot { tag: 0, stage: Stage::Free, offset: 0, left: 0, total: 0, iov_first: 0, iov_end: 0 };
+const FREE_SLOT: Slot =
+    Slot { tag: 0, stage: Stage::Free, offset: 0, left: 0, total: 0, iov_first: 0, iov_end: 0, hole: false };
 
 /// The in-flight slots, their iovecs and the free list. Kept apart from the
 /// ring so both can be borrowed at once.
@@ -390,6 +556,12 @@ pub struct FileBackend {
     inline: bool,
     /// A fully allocated tmpfs image, mapped: reads and writes are copies.
     image: Option<Arc<ImageMap>>,
+    /// An image on a memory file system: the state its opens share (its
+    /// holes stop the copies of every mapping of it).
+    state: Option<Arc<ImageState>>,
+    /// Requests sent to the kernel since the last look at the clock while
+    /// the image's copies are stopped (`LOOK_CHECK_EVERY`).
+    uncopied: u32,
     /// Completions of requests run inline, for the next `reap`. With the
     /// ring's in-flight slots at most `depth` (never reallocated).
     ready: Vec<Completion>,
@@ -402,6 +574,7 @@ pub struct FileBackend {
 unsafe impl Send for FileBackend {}
 
 impl FileBackend {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         file: Arc<File>,
         read_only: bool,
@@ -410,6 +583,7 @@ impl FileBackend {
         punt: bool,
         inline: bool,
         image: Option<Arc<ImageMap>>,
+        state: Option<Arc<ImageState>>,
     ) -> io::Result<FileBackend> {
         let entries = depth.next_power_of_two().max(8) as u32;
         let ring = IoUring::new(entries)?;
@@ -436,6 +610,8 @@ impl FileBackend {
             punt,
             inline,
             image,
+            state,
+            uncopied: 0,
             ready: Vec::with_capacity(if inline { depth } else { 0 }),
         })
     }
@@ -532,6 +708,11 @@ impl FileBackend {
     /// Frees slot `idx` and reports its completion.
     fn finish(&mut self, idx: usize, result: i64, out: &mut Vec<Completion>) {
         let slot = &mut self.slab.slots[idx];
+        if slot.hole {
+            if let Some(state) = &self.state {
+                state.hole_finished();
+            }
+        }
         out.push(Completion { tag: slot.tag, result });
         *slot = FREE_SLOT;
         // The hold stays for the slot's next request (most often over the
@@ -572,8 +753,8 @@ impl FileBackend {
                 None
             }
             Stage::ZeroAlloc if res < 0 => {
-                if let Some(image) = &self.image {
-                    image.stop("write-zeroes left a hole (allocating it again failed)");
+                if let Some(state) = &self.state {
+                    state.stop("write-zeroes left a hole (allocating it again failed)", false);
                 }
                 Some(res as i64)
             }
@@ -622,6 +803,15 @@ impl BlockBackend for FileBackend {
                     self.done_now(req.tag, result, true);
                     return Ok(());
                 }
+                if let Some(image) = &self.image {
+                    // Stopped (or past its end): now and then, look whether
+                    // the copies may resume.
+                    self.uncopied += 1;
+                    if self.uncopied >= LOOK_CHECK_EVERY {
+                        self.uncopied = 0;
+                        image.state.look(&self.file, image.len);
+                    }
+                }
                 let base = idx * MAX_SEGS;
                 for (iov, (addr, len)) in self.slab.iovecs[base..].iter_mut().zip(req.bufs.iovecs()) {
                     *iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
@@ -664,8 +854,9 @@ impl BlockBackend for FileBackend {
             }
             Op::Discard | Op::WriteZeroes { unmap: true } => {
                 // A hole: a mapping's read of it would allocate it.
-                if let Some(image) = &self.image {
-                    image.stop("a discard punched a hole");
+                if let Some(state) = &self.state {
+                    state.hole_started("a discard punched a hole");
+                    slot.hole = true;
                 }
                 slot.stage = Stage::Simple;
                 self.slab.slots[idx] = slot;
@@ -694,6 +885,11 @@ impl BlockBackend for FileBackend {
         if unsafe { self.ring.submission().push(&entry) }.is_err() {
             // Cannot happen (the ring holds `depth` entries), but if it did
             // the slot stays free and nothing is queued.
+            if self.slab.slots[idx].hole {
+                if let Some(state) = &self.state {
+                    state.hole_finished();
+                }
+            }
             self.slab.slots[idx] = FREE_SLOT;
             self.slab.holds[idx] = None;
             return Err(-(libc::EBUSY as i64));
@@ -875,15 +1071,26 @@ pub(crate) fn open(
         tracing::info!("{name}: on {fs}: reads and writes run in the dataplane's thread, not through io_uring");
     }
     let inline = memory_fs.is_some();
-    let image = if inline { ImageMap::new(&file, size, readonly, &name).map(Arc::new) } else { None };
+    // Shared with the image's other opens: a discard through any of them
+    // stops every mapping's copies.
+    let state = if is_blockdev || self::memory_fs(&file).is_none() {
+        None
+    } else {
+        Some(state_of(&file, &name).map_err(|e| fail(e.kind(), format!("fstat: {e}")))?)
+    };
+    let image = match &state {
+        Some(state) if inline => ImageMap::new(&file, size, readonly, state).map(Arc::new),
+        _ => None,
+    };
     if image.is_some() {
         tracing::info!("{name}: fully allocated: reads and writes are copies through a mapping of it");
     }
     let file = Arc::new(file);
     let mut backends: Vec<Box<dyn BlockBackend>> = Vec::with_capacity(queues);
     for _ in 0..queues {
-        let backend = FileBackend::new(file.clone(), readonly, discard, depth, punt, inline, image.clone())
-            .map_err(|e| fail(e.kind(), format!("io_uring set-up: {e}")))?;
+        let backend =
+            FileBackend::new(file.clone(), readonly, discard, depth, punt, inline, image.clone(), state.clone())
+                .map_err(|e| fail(e.kind(), format!("io_uring set-up: {e}")))?;
         backends.push(Box::new(backend));
     }
     Ok((info, backends))
@@ -1007,8 +1214,16 @@ mod tests {
         slab.iovecs[base + 1] = iov(0x2000, 0);
         slab.iovecs[base + 2] = iov(0x3000, 50);
         slab.iovecs[base + 3] = iov(0x4000, 10);
-        slab.slots[1] =
-            Slot { tag: 5, stage: Stage::Read, offset: 4096, left: 160, total: 160, iov_first: 0, iov_end: 4 };
+        slab.slots[1] = Slot {
+            tag: 5,
+            stage: Stage::Read,
+            offset: 4096,
+            left: 160,
+            total: 160,
+            iov_first: 0,
+            iov_end: 4,
+            hole: false,
+        };
         // Part of the first buffer.
         slab.advance(1, 30);
         assert_eq!((slab.slots[1].offset, slab.slots[1].left), (4126, 130));

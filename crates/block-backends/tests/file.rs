@@ -784,6 +784,67 @@ fn a_discard_ends_the_copies_for_every_queue() {
     assert_eq!((q0.stats().mapped, q1.stats().mapped), (0, 1), "no copies after the discard");
 }
 
+/// Writes `len` bytes of `byte` at `offset` of the file at `path` (from
+/// outside, as another process would).
+fn fill(path: &Path, offset: u64, len: usize, byte: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(&vec![byte; len], offset).unwrap();
+}
+
+/// Reads 4 KiB at 0 through `b` until one is copied through the mapping
+/// (the copies resumed), for at most `within`. Whether one was.
+fn copies_resume(b: &mut dyn BlockBackend, within: std::time::Duration) -> bool {
+    let mut g = Guest::new();
+    let at = g.alloc(4096, 0);
+    let (before, start) = (b.stats().mapped, std::time::Instant::now());
+    while start.elapsed() < within {
+        assert_eq!(run(b, &req(7, Op::Read, 0, 4096, &g.io(&[(at, 4096)]))), 4096);
+        if b.stats().mapped > before {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn a_discard_stops_every_open_of_the_image_until_it_is_full_again() {
+    const SIZE: usize = 1 << 20;
+    let Some(t) = shm_image("mapped-shared", SIZE, 0x5a) else { return };
+    // Two opens of one file: two devices, or two LUNs, on the same image.
+    let (mut a, mut b) = (one(&t.path, 4), one(&t.path, 4));
+    assert!(read_all(b.as_mut(), 0, 4096).iter().all(|&x| x == 0x5a));
+    assert_eq!(b.stats().mapped, 1);
+    let full = blocks(&t.path);
+    assert_eq!(run(a.as_mut(), &req(1, Op::Discard, 256 << 10, 256 << 10, NONE)), 0);
+    let holed = blocks(&t.path);
+    assert!(holed < full, "st_blocks {full} -> {holed}");
+    // The other open reads the hole with preadv: zeros, nothing allocated.
+    assert!(read_all(b.as_mut(), 256 << 10, 256 << 10).iter().all(|&x| x == 0));
+    assert_eq!(blocks(&t.path), holed, "reading the hole allocated it");
+    assert_eq!((a.stats().mapped, b.stats().mapped), (0, 1), "no copies after the discard");
+    // Still holed, though blocks past the end make up the count (so
+    // st_blocks alone would say full): the looks find the hole.
+    let f = std::fs::OpenOptions::new().write(true).open(&t.path).unwrap();
+    // SAFETY: fallocate on a descriptor we own; no memory is passed.
+    let r = unsafe {
+        libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), libc::FALLOC_FL_KEEP_SIZE, SIZE as i64, 512 << 10)
+    };
+    assert_eq!(r, 0, "fallocate: {}", std::io::Error::last_os_error());
+    assert!(blocks(&t.path) >= full);
+    assert!(!copies_resume(b.as_mut(), std::time::Duration::from_millis(1500)), "copies with a hole");
+    // The guest writes the range again (the kernel's path, which allocates
+    // it): the next look resumes the copies, for both opens.
+    let mut g = Guest::new();
+    let again = pattern(256 << 10, 9);
+    let w = g.with(&again);
+    assert_eq!(run(a.as_mut(), &req(2, Op::Write, 256 << 10, 256 << 10, &g.io(&[(w, 256 << 10)]))), 256 << 10);
+    assert_eq!(a.stats().mapped, 0);
+    assert!(copies_resume(b.as_mut(), std::time::Duration::from_secs(10)), "the copies did not resume");
+    assert!(read_all(a.as_mut(), 256 << 10, 256 << 10) == again);
+    assert_eq!(a.stats().mapped, 1, "the discarding open copies again too");
+}
+
 #[test]
 fn an_image_with_a_hole_is_not_mapped_even_with_blocks_past_its_end() {
     const SIZE: usize = 64 << 10;
@@ -864,12 +925,16 @@ fn a_truncated_image_fails_the_request_and_ends_the_copies() {
     assert!(read_all(b.as_mut(), 0, 4096).iter().all(|&x| x == 0x11));
     assert_eq!(run(b.as_mut(), &req(3, Op::Read, 32 << 10, 4096, &g.io(&[(at, 4096)]))), EIO);
     assert_eq!(b.stats().mapped, 2, "no copies after the fault");
-    // Even once it has grown back.
+    // Even once it has grown back, fully allocated: the mapping's pages
+    // past the cut are zero pages now, for good.
     std::fs::OpenOptions::new().write(true).open(&t.path).unwrap().set_len(SIZE as u64).unwrap();
+    fill(&t.path, 16 << 10, SIZE - (16 << 10), 0x22);
     assert_eq!(run(b.as_mut(), &req(4, Op::Write, 32 << 10, 4096, &g.io(&[(w, 4096)]))), 4096);
     let on_file = std::fs::read(&t.path).unwrap();
     assert!(on_file[32 << 10..36 << 10].iter().all(|&x| x == 0xee), "written after growing back");
     assert_eq!(b.stats().mapped, 2);
+    // Longer than a look takes to come (LOOK_EVERY, 1 s): none resumes them.
+    assert!(!copies_resume(b.as_mut(), std::time::Duration::from_millis(1500)), "copies through a lost mapping");
 }
 
 #[test]

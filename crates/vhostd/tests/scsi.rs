@@ -50,6 +50,18 @@ impl Dir {
         Dir(tempdir())
     }
 
+    /// A directory in /dev/shm; None (said) if that is not a tmpfs.
+    fn in_shm() -> Option<Dir> {
+        if !shm_is_tmpfs() {
+            return None;
+        }
+        let t = tempdir();
+        let _ = fs::remove_dir_all(&t);
+        let p = Path::new("/dev/shm").join(t.file_name().unwrap());
+        fs::create_dir_all(&p).unwrap();
+        Some(Dir(p))
+    }
+
     /// An image `name` of `size` bytes holding the background pattern.
     fn image(&self, name: &str, size: u64) -> PathBuf {
         let p = self.0.join(name);
@@ -676,14 +688,53 @@ fn data_written_reads_back_and_is_in_the_image() {
 /// so with no hole) and copies each read and write through the mapping.
 #[test]
 fn data_written_reads_back_on_tmpfs() {
-    if !shm_is_tmpfs() {
-        return;
+    let Some(dir) = Dir::in_shm() else { return };
+    data_written_reads_back_in(dir, true);
+}
+
+/// Two LUNs on one tmpfs image share whether its mapping may serve them:
+/// an UNMAP through one stops the other's copies (a read of the hole
+/// through a mapping would allocate it), and once the range is written
+/// again a look, made on a thread of its own under the seccomp filter,
+/// resumes them.
+#[test]
+fn two_luns_on_one_tmpfs_image_share_its_holes() {
+    let Some(dir) = Dir::in_shm() else { return };
+    let mib = 1u64 << 20;
+    let img = dir.image("shared.img", 4 * mib);
+    let d = start(&[file_lun(0, &img, ",discard=on"), file_lun(1, &img, "")], &[]);
+    let mut dev = connect(&d, false);
+    let mut q = Q::new(dev.scsi_queue(0, 4, 64 << 10).unwrap(), Some(&img));
+    assert_eq!(q.read(1, mib / 512, 8), read_file(&img, mib, 4096));
+    let full = allocated(&img);
+    let params = scsi::unmap_parameters(&[(mib / 512, (mib / 512) as u32)]);
+    q.good(0, Cmd::unmap(params.len() as u16), &params, &["unmaps"]);
+    let holed = allocated(&img);
+    assert!(holed < full, "st_blocks {full} -> {holed}");
+    // LUN 1 reads the hole with preadv: zeros, nothing allocated.
+    for k in 0..16 {
+        assert!(q.read(1, (mib + k * (64 << 10)) / 512, 128).iter().all(|&b| b == 0));
     }
-    let d = tempdir();
-    let _ = fs::remove_dir_all(&d);
-    let p = Path::new("/dev/shm").join(d.file_name().unwrap());
-    fs::create_dir_all(&p).unwrap();
-    data_written_reads_back_in(Dir(p), true);
+    assert_eq!(allocated(&img), holed, "LUN 1 read the hole through the mapping");
+    // LUN 0 writes the range again; LUN 1's reads then find the copies
+    // resumed within a look or two.
+    let mut data = vec![0u8; mib as usize];
+    fill_pattern(&mut data, mib, 77);
+    for (k, chunk) in data.chunks(64 << 10).enumerate() {
+        q.write(0, (mib + k as u64 * (64 << 10)) / 512, chunk);
+    }
+    assert!(allocated(&img) >= full);
+    let resumed = wait_until(Duration::from_secs(10), || {
+        assert_eq!(q.read(1, mib / 512, 8), data[..4096]);
+        d.log().contains("fully allocated again: reads and writes are copies")
+    });
+    assert!(resumed, "the copies did not resume: {}", d.log());
+    let copies_at_resume = q.t.get("reads");
+    assert_eq!(q.read(1, 2 * mib / 512 - 8, 8), data[data.len() - 4096..]);
+    let s = finish(q, dev, d);
+    // The first read and the last were copies; those between, not all.
+    let copies = s.queue(2, "mapped_copies");
+    assert!(copies >= 2 && copies < copies_at_resume, "{copies} copies of {copies_at_resume} reads");
 }
 
 /// `mapped`: the image is on tmpfs, so LUN 0's reads and writes are
