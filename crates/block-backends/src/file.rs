@@ -4,14 +4,16 @@
 //! - **One ring per queue.** `open` opens the file once and builds one
 //!   [`FileBackend`] per request queue; they share the file (`Arc<File>`)
 //!   but each has its own io_uring, so a dataplane thread owns its ring
-//!   outright and no lock is taken anywhere.
+//!   outright and no lock is taken for reads and writes (a tmpfs image's
+//!   discards take its `ImageState`'s, below).
 //! - **A slab of in-flight slots.** Each backend preallocates `depth` slots
 //!   and, for each slot, room for [`MAX_SEGS`] iovecs. A request takes a free
 //!   slot; the SQE's `user_data` is the slot index, and the slot holds the
 //!   device's tag, what is left to do and the iovecs the kernel reads. The
 //!   slot is freed when its completion is reaped, so the iovecs outlive the
 //!   request; so does the slot's hold on the guest memory they point into.
-//!   Nothing is allocated after construction.
+//!   Nothing is allocated after construction (but a tmpfs image's look
+//!   for holes, below, which runs on a thread of its own).
 //! - **One submit per batch.** `queue` only fills SQEs; `submit` hands them
 //!   all to the kernel with one `io_uring_enter`. The ring has at least
 //!   `depth` entries and every in-flight slot has at most one SQE, so the
@@ -37,25 +39,30 @@
 //! - **A fully allocated tmpfs image: copies through a mapping.** Most of
 //!   a preadv's cost on tmpfs is the call and the page-cache lookup (a
 //!   random 4 KiB read here: 2250 cycles against 1000 for a copy from a
-//!   mapping). So an image with no hole when it is opened (st_blocks cover
-//!   its size and SEEK_HOLE finds none before the end) is mapped once,
-//!   shared by the queues, and its reads and writes are plain copies
-//!   between the mapping and the guest's buffers; write-zeroes without
-//!   unmap of up to 1 MiB stores zeros there. Only while nothing can
-//!   allocate: a mapping's read of a hole allocates the page (a preadv
-//!   does not), and a write into one that cannot be allocated faults
-//!   rather than failing with ENOSPC. So the copies stop (logged) at the
-//!   first discard or write-zeroes with unmap queued on the image through
-//!   any of its opens in this process (two devices, or two LUNs, on one
-//!   file share one `ImageState`), or at a larger write-zeroes whose hole
-//!   the kernel fails to allocate again; meanwhile preadv/pwritev as
-//!   above. They resume (logged) once the image is fully allocated again
-//!   (the holes written again: fallocate alone leaves tmpfs pages it
-//!   allocated unwritten, which SEEK_HOLE reports as holes): while
-//!   they are stopped, a look at most once a second (`LOOK_EVERY`) fstats
-//!   the image and, if its blocks cover it, a thread of its own runs the
-//!   SEEK_HOLE walk (14 ms for a 1 GiB image, too long for a dataplane)
-//!   and resumes the copies only if no hole-making request ran meanwhile.
+//!   mapping). So a tmpfs image is mapped once, shared by the queues, and
+//!   while it has no hole (st_blocks cover its size and SEEK_HOLE finds
+//!   none before the end) its reads and writes are plain copies between
+//!   the mapping and the guest's buffers; write-zeroes without unmap of
+//!   up to 1 MiB stores zeros there. Only while nothing can allocate: a
+//!   mapping's read of a hole allocates the page (a preadv does not), and
+//!   a write into one that cannot be allocated faults rather than failing
+//!   with ENOSPC. Every open of the file in this process (two devices, or
+//!   two LUNs) shares one `ImageState`. The copies start when an open
+//!   finds the image fully allocated, and stop (logged) at the first
+//!   discard or write-zeroes with unmap queued through any open, at a
+//!   larger write-zeroes whose hole the kernel fails to allocate again, or
+//!   at an open that finds a hole nobody here made; meanwhile
+//!   preadv/pwritev as above. They resume (logged) once the holes are
+//!   written again (fallocate alone leaves the tmpfs pages it allocates
+//!   unwritten, which SEEK_HOLE reports as holes): while they are stopped,
+//!   every 64th request that misses the mapping looks at the clock, and at
+//!   most once a second (`LOOK_EVERY`) fstats the image; if its blocks
+//!   cover it, a thread of its own (unpinned) runs the SEEK_HOLE walk (14
+//!   ms for a 1 GiB image, too long for a dataplane), and the copies
+//!   resume if it found no hole and nothing that makes one (a discard, a
+//!   write-zeroes punching its hole, a stop) ran or started meanwhile. A
+//!   copy already past its check when another thread punches an
+//!   overlapping range is the guest's race, as with preadv.
 //!   The mapping needs virtq's SIGBUS handler installed (vhostd installs
 //!   it at start). If someone truncates the image, the access past the new
 //!   end raises SIGBUS; the handler replaces the mapping with zero pages
@@ -147,6 +154,7 @@ const LOOK_CHECK_EVERY: u32 = 64;
 /// hole-making request run meanwhile, resumes them.
 struct ImageState {
     /// Copies may go on. Read on every copy; changed under `holes`.
+    /// False until a mapping's open finds the image fully allocated.
     usable: AtomicBool,
     holes: Mutex<Holes>,
     /// The image's path, for the log.
@@ -154,11 +162,13 @@ struct ImageState {
 }
 
 struct Holes {
-    /// Discards and write-zeroes with unmap queued and not yet finished.
+    /// Requests that may leave a hole while they run: discards,
+    /// write-zeroes with unmap, and write-zeroes punching a hole to
+    /// allocate it again (tmpfs has no zero-range). No look while any is.
     making: u32,
-    /// Hole-making requests ever queued: a look counts only if none
-    /// started while it ran.
-    started: u64,
+    /// Bumped at each of those and at each stop: a look counts only if
+    /// it did not move while the look ran.
+    epoch: u64,
     /// A mapping of it was lost (it shrank): no copies from then on.
     lost: bool,
     /// A look is running on its own thread.
@@ -184,11 +194,7 @@ fn state_of(file: &File, name: &dyn std::fmt::Display) -> io::Result<Arc<ImageSt
     if let Some(state) = images.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
         return Ok(state);
     }
-    let state = Arc::new(ImageState {
-        usable: AtomicBool::new(true),
-        holes: Mutex::new(Holes { making: 0, started: 0, lost: false, looking: false, last_look: Instant::now() }),
-        name: name.to_string(),
-    });
+    let state = Arc::new(ImageState::new(name.to_string()));
     images.push((key, Arc::downgrade(&state)));
     Ok(state)
 }
@@ -214,26 +220,42 @@ fn fully_allocated(file: &File, len: u64) -> Result<(), String> {
 }
 
 impl ImageState {
-    /// A discard or write-zeroes with unmap is queued: the copies stop
-    /// until it has finished and a look finds no hole.
-    fn hole_started(&self, why: &str) {
-        let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+    fn new(name: String) -> ImageState {
+        ImageState {
+            usable: AtomicBool::new(false),
+            holes: Mutex::new(Holes { making: 0, epoch: 0, lost: false, looking: false, last_look: Instant::now() }),
+            name,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Holes> {
+        self.holes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A request that may leave a hole is queued (`stops`: a discard or
+    /// write-zeroes with unmap, which stop the copies; else the punch of
+    /// a write-zeroes, during which no look runs).
+    fn hole_started(&self, stops: Option<&str>) {
+        let mut h = self.lock();
         h.making += 1;
-        h.started += 1;
-        h.last_look = Instant::now();
-        self.stop_locked(why);
+        h.epoch += 1;
+        if let Some(why) = stops {
+            h.last_look = Instant::now();
+            self.stop_locked(why);
+        }
     }
 
     fn hole_finished(&self) {
-        let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = self.lock();
         h.making = h.making.saturating_sub(1);
     }
 
     /// Stops the copies (a hole the kernel left; a mapping lost, `lose`),
     /// saying why the first time.
     fn stop(&self, why: &str, lose: bool) {
-        let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = self.lock();
         h.lost |= lose;
+        h.epoch += 1;
         h.last_look = Instant::now();
         self.stop_locked(why);
     }
@@ -247,45 +269,77 @@ impl ImageState {
         }
     }
 
+    /// Whether a look may begin now (copies stopped, none lost, no look
+    /// running, nothing making a hole, the last look `every` ago); the
+    /// epoch it begins at.
+    fn look_begins(&self, every: std::time::Duration) -> Option<u64> {
+        let mut h = self.lock();
+        if self.usable.load(Ordering::Relaxed) || h.lost || h.looking || h.making > 0 {
+            return None;
+        }
+        if h.last_look.elapsed() < every {
+            return None;
+        }
+        h.last_look = Instant::now();
+        Some(h.epoch)
+    }
+
+    /// A look begun at `epoch` ended, having found the image `full` (or
+    /// not): the copies resume if nothing could have made a hole since.
+    /// Whether they did.
+    fn look_ends(&self, epoch: u64, full: bool) -> bool {
+        let h = self.lock();
+        if !full || h.epoch != epoch || h.making > 0 || h.lost || self.usable.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.usable.store(true, Ordering::Relaxed);
+        true
+    }
+
     /// While the copies are stopped, looks (at most every `LOOK_EVERY`)
-    /// whether `file` is fully allocated again up to `len`: an fstat
-    /// here, and if its blocks cover the image, the SEEK_HOLE walk on a
-    /// thread of its own, which resumes the copies if no hole-making
-    /// request started or ran meanwhile.
+    /// whether `file` is fully allocated up to `len`: an fstat here, and
+    /// if its blocks cover the image, the SEEK_HOLE walk on a thread of
+    /// its own, on any CPU but this dataplane's pinned one.
     fn look(self: &Arc<Self>, file: &Arc<File>, len: u64) {
-        let started = {
-            let mut h = self.holes.lock().unwrap_or_else(|e| e.into_inner());
-            if self.usable.load(Ordering::Relaxed) || h.lost || h.looking || h.making > 0 {
-                return;
-            }
-            if h.last_look.elapsed() < LOOK_EVERY {
-                return;
-            }
-            h.last_look = Instant::now();
-            h.started
-        };
+        let Some(epoch) = self.look_begins(LOOK_EVERY) else { return };
         use std::os::unix::fs::MetadataExt;
         // Most looks end here: the holes are still there.
         if file.metadata().map_or(true, |m| m.blocks().saturating_mul(512) < len) {
             return;
         }
-        self.holes.lock().unwrap_or_else(|e| e.into_inner()).looking = true;
+        self.lock().looking = true;
         let (state, file) = (self.clone(), file.clone());
         let walk = move || {
-            let found = fully_allocated(&file, len);
-            let mut h = state.holes.lock().unwrap_or_else(|e| e.into_inner());
-            h.looking = false;
-            if found.is_ok() && h.started == started && h.making == 0 && !h.lost {
-                state.usable.store(true, Ordering::Relaxed);
+            unpin();
+            let full = fully_allocated(&file, len).is_ok();
+            let resumed = state.look_ends(epoch, full);
+            state.lock().looking = false;
+            if resumed {
                 tracing::info!(
                     "{}: fully allocated again: reads and writes are copies through its mapping",
                     state.name
                 );
             }
         };
-        if let Err(e) = std::thread::Builder::new().name("vhostd-image-look".into()).spawn(walk) {
+        if let Err(e) = std::thread::Builder::new().name("image-look".into()).spawn(walk) {
             tracing::debug!("{}: no thread to look for holes: {e}", self.name);
-            self.holes.lock().unwrap_or_else(|e| e.into_inner()).looking = false;
+            self.lock().looking = false;
+        }
+    }
+}
+
+/// Lets the calling thread run where the process's main thread may (the
+/// CPUs it was started on, e.g. by taskset): a thread spawned by a pinned
+/// dataplane inherits its one CPU.
+fn unpin() {
+    // SAFETY: cpu_set_t is plain data: the kernel fills it with the main
+    // thread's CPUs (its thread id is the process id), then reads it back
+    // for this thread. On failure the thread stays where it is.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        if libc::sched_getaffinity(libc::getpid(), size, &mut set) == 0 {
+            libc::sched_setaffinity(0, size, &set);
         }
     }
 }
@@ -299,34 +353,20 @@ unsafe impl Sync for ImageMap {}
 
 impl ImageMap {
     /// Maps `file` (of `len` bytes) for reading, and writing unless
-    /// `read_only`. None where copies would not be safe or could not be
-    /// set up (the reason logged): the image then goes through preadv.
+    /// `read_only`, and looks whether it is fully allocated: if so the
+    /// copies start (or resume, for the image's other opens), else they
+    /// wait for a later look. None where copies could never be safe or
+    /// the mapping cannot be set up (the reason logged): the image then
+    /// goes through preadv.
     fn new(file: &File, len: u64, read_only: bool, state: &Arc<ImageState>) -> Option<ImageMap> {
         let no = |why: &str| tracing::info!("{}: {why}: no copies through a mapping", state.name);
         if !sigbus::installed() {
             no("no SIGBUS handler to survive a truncation");
             return None;
         }
-        let started = {
-            let h = state.holes.lock().unwrap_or_else(|e| e.into_inner());
-            if h.lost {
-                no("a mapping of it was lost (it shrank)");
-                return None;
-            }
-            h.started
-        };
-        if let Err(why) = fully_allocated(file, len) {
-            no(&why);
+        if state.lock().lost {
+            no("a mapping of it was lost (it shrank)");
             return None;
-        }
-        {
-            // As for a look: only if no hole was made while it ran.
-            let h = state.holes.lock().unwrap_or_else(|e| e.into_inner());
-            if h.started != started || h.making > 0 || h.lost {
-                no("a discard or a truncation came while it was looked at");
-                return None;
-            }
-            state.usable.store(true, Ordering::Relaxed);
         }
         let size = usize::try_from(len).ok()?;
         let prot = if read_only { libc::PROT_READ } else { libc::PROT_READ | libc::PROT_WRITE };
@@ -344,6 +384,21 @@ impl ImageMap {
             no("the SIGBUS table's slots for images are all taken");
             return None;
         };
+        // A look like any other, but now and in this thread (the open
+        // is not a dataplane's).
+        let epoch = state.lock().epoch;
+        match fully_allocated(file, len) {
+            Ok(()) if state.usable.load(Ordering::Relaxed) || state.look_ends(epoch, true) => {
+                tracing::info!("{}: fully allocated: reads and writes are copies through a mapping of it", state.name)
+            }
+            Ok(()) => tracing::info!("{}: mapped; copies once no discard is running on it", state.name),
+            Err(why) => {
+                // A hole nobody here made (another process, or a sparse
+                // image): none of the image's opens may copy.
+                state.stop(&format!("{why} when opened again"), false);
+                tracing::info!("{}: {why}: mapped; copies once it is fully allocated", state.name);
+            }
+        }
         let streaming = len > last_level_cache();
         Some(ImageMap { addr: addr as *mut u8, len, registration: Some(registration), state: state.clone(), streaming })
     }
@@ -746,6 +801,12 @@ impl FileBackend {
             Stage::ZeroRange if res == -libc::EOPNOTSUPP => {
                 self.zero_range_unsupported = true;
                 slot.stage = Stage::ZeroPunch;
+                // A hole until it is allocated again: no look meanwhile
+                // (the copies go on; it reads as zeros either way).
+                if let Some(state) = &self.state {
+                    state.hole_started(None);
+                    slot.hole = true;
+                }
                 None
             }
             Stage::ZeroPunch if res >= 0 => {
@@ -855,7 +916,7 @@ impl BlockBackend for FileBackend {
             Op::Discard | Op::WriteZeroes { unmap: true } => {
                 // A hole: a mapping's read of it would allocate it.
                 if let Some(state) = &self.state {
-                    state.hole_started("a discard punched a hole");
+                    state.hole_started(Some("a discard or write-zeroes with unmap punched a hole"));
                     slot.hole = true;
                 }
                 slot.stage = Stage::Simple;
@@ -869,10 +930,15 @@ impl BlockBackend for FileBackend {
                         return Ok(());
                     }
                     // The kernel punches a hole and allocates it again
-                    // (tmpfs has no zero-range); `step` ends the copies
+                    // (tmpfs has no zero-range); `step` stops the copies
                     // if the hole stays.
                 }
                 slot.stage = if self.zero_range_unsupported { Stage::ZeroPunch } else { Stage::ZeroRange };
+                if let (Stage::ZeroPunch, Some(state)) = (slot.stage, &self.state) {
+                    // As in `step`: no look until it is allocated again.
+                    state.hole_started(None);
+                    slot.hole = true;
+                }
                 self.slab.slots[idx] = slot;
                 self.slab.entry(idx, fd)
             }
@@ -1007,7 +1073,9 @@ impl Drop for FileBackend {
                     tracing::warn!("io_uring: {} requests still in flight at close: {e}", self.in_flight());
                     // The kernel may still write into their buffers: keep
                     // their memory mapped (and the iovecs it reads) for good
-                    // rather than let it be unmapped under it.
+                    // rather than let it be unmapped under it. Holes they
+                    // may still punch stay counted: the image's copies
+                    // never resume.
                     std::mem::forget(std::mem::take(&mut self.slab.holds));
                     std::mem::forget(std::mem::take(&mut self.slab.iovecs));
                     return;
@@ -1082,9 +1150,6 @@ pub(crate) fn open(
         Some(state) if inline => ImageMap::new(&file, size, readonly, state).map(Arc::new),
         _ => None,
     };
-    if image.is_some() {
-        tracing::info!("{name}: fully allocated: reads and writes are copies through a mapping of it");
-    }
     let file = Arc::new(file);
     let mut backends: Vec<Box<dyn BlockBackend>> = Vec::with_capacity(queues);
     for _ in 0..queues {
@@ -1204,6 +1269,50 @@ mod tests {
 
     fn iov(addr: usize, len: usize) -> libc::iovec {
         libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }
+    }
+
+    /// A look's verdict counts only if nothing that makes a hole ran or
+    /// started while it walked the file.
+    #[test]
+    fn a_look_counts_only_if_no_hole_was_made_meanwhile() {
+        let now = std::time::Duration::ZERO;
+        let state = ImageState::new("img".into());
+        let usable = |s: &ImageState| s.usable.load(Ordering::Relaxed);
+        // A clean look: the copies resume, and none begins while they go on.
+        let e = state.look_begins(now).unwrap();
+        assert!(state.look_ends(e, true) && usable(&state));
+        assert_eq!(state.look_begins(now), None, "a look while copying");
+        // A discard stops them; none begins while it runs.
+        state.hole_started(Some("test"));
+        assert!(!usable(&state));
+        assert_eq!(state.look_begins(now), None, "a look while a discard runs");
+        state.hole_finished();
+        // A look that found holes, or ran past a discard, a write-zeroes'
+        // punch or a stop (whole or still running), changes nothing.
+        let e = state.look_begins(now).unwrap();
+        assert!(!state.look_ends(e, false));
+        for made in [
+            |s: &ImageState| {
+                s.hole_started(Some("test"));
+                s.hole_finished()
+            },
+            |s: &ImageState| {
+                s.hole_started(None);
+                s.hole_finished()
+            },
+            |s: &ImageState| s.hole_started(None),
+            |s: &ImageState| s.stop("test", false),
+        ] {
+            let e = state.look_begins(now).unwrap();
+            made(&state);
+            assert!(!state.look_ends(e, true) && !usable(&state));
+            let mut h = state.lock();
+            h.making = 0;
+        }
+        // Not more often than asked, and never after a mapping was lost.
+        assert_eq!(state.look_begins(std::time::Duration::from_secs(3600)), None);
+        state.stop("test", true);
+        assert_eq!(state.look_begins(now), None, "a look after a lost mapping");
     }
 
     #[test]
