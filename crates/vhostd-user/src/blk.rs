@@ -21,7 +21,7 @@ pub mod workload;
 use crate::queue::VirtQueue;
 use crate::{features, DeviceType, Error, FrontendMemory, VirtioUser};
 use std::time::{Duration, Instant};
-use virtq_driver::{Buf, Used};
+use virtq_driver::{Buf, SharedBytes, SharedBytesMut, Used};
 
 // The wire format is the device's (one definition for both sides).
 pub use vhostd_blk::wire::{status, types, CONFIG_LEN, HEADER_LEN, ID_LEN, RANGE_F_UNMAP, SECTOR};
@@ -559,7 +559,7 @@ impl BlkQueue {
     /// poison the buffer). Visible to the device after `flush`. Ok(false)
     /// when every slot is in flight; `user` comes back in the completion.
     #[inline]
-    pub fn submit(&mut self, op: BlkOp, user: u64, fill: impl FnOnce(&mut [u8])) -> Result<bool, Error> {
+    pub fn submit(&mut self, op: BlkOp, user: u64, fill: impl FnOnce(&mut SharedBytesMut)) -> Result<bool, Error> {
         let (req_type, sector, data) = op.parts();
         let data_len = match data {
             Data::In(n) | Data::Out(n) => n,
@@ -581,9 +581,10 @@ impl BlkQueue {
                 std::ptr::copy_nonoverlapping(range(sector, sectors, flags).as_ptr(), p.add(CTRL_RANGE as usize), 16);
             }
         }
-        // SAFETY: data_len <= max_data <= stride: the slot's own data area,
-        // not in flight. The device may only touch it once posted below.
-        fill(unsafe { std::slice::from_raw_parts_mut(self.data_ptr(slot), data_len as usize) });
+        // SAFETY: data_len <= max_data <= stride: the slot's own data area
+        // in the frontend's memory, which outlives this call; nothing here
+        // holds a reference to it.
+        fill(&mut unsafe { SharedBytesMut::new(self.data_ptr(slot), data_len as usize) });
         let shape = Shape::Typed(data);
         let head = match self.slots[slot as usize].kept {
             Some((h, s)) if s == shape => h,
@@ -745,7 +746,7 @@ impl BlkQueue {
     /// data, the id; raw: the writable buffers), then frees the slots.
     /// Returns how many completed. A device that breaks the ring is an error.
     #[inline]
-    pub fn poll(&mut self, mut f: impl FnMut(&BlkCompletion, &[u8])) -> Result<usize, Error> {
+    pub fn poll(&mut self, mut f: impl FnMut(&BlkCompletion, SharedBytes)) -> Result<usize, Error> {
         let mut out = std::mem::take(&mut self.used);
         let r = self.queue.ring.pop_used_batch(&mut out, true);
         let n = *r.as_ref().unwrap_or(&0);
@@ -784,10 +785,9 @@ impl BlkQueue {
                     (true, None) => STATUS_NOT_WRITTEN,
                 }
             };
-            // SAFETY: data_off + data_len <= stride: the slot's data area.
-            // The device returned the chain; one that writes it anyway can
-            // only change bytes (any value is a valid u8).
-            let data = unsafe { std::slice::from_raw_parts(base.add(data_off as usize), c.data_len as usize) };
+            // SAFETY: data_off + data_len <= stride: the slot's data area,
+            // in the frontend's memory, which outlives the call.
+            let data = unsafe { SharedBytes::new(base.add(data_off as usize), c.data_len as usize) };
             f(&BlkCompletion { status, ..c }, data);
             self.free.push(slot);
         }
@@ -813,8 +813,8 @@ impl BlkQueue {
         self.sync(timeout, |q| {
             q.submit(op, 0, |buf| {
                 let n = write_data.len().min(buf.len());
-                buf[..n].copy_from_slice(&write_data[..n]);
-                buf[n..].fill(0);
+                buf.fill(0);
+                buf.write_at(0, &write_data[..n]);
             })
         })
     }

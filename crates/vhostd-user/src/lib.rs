@@ -76,8 +76,8 @@ pub use net::{build_udp_frame, NetStats, RxQueue, TxQueue};
 pub use queue::VirtQueue;
 pub use vhost::vhost_user::VhostUserProtocolFeatures;
 pub use virtq_driver::{
-    Buf, Descriptor, DriverError, DriverMemory, DriverRing, PackedDesc, PackedDriver, RingLayout, SharedMemory,
-    SplitDriver, Used,
+    Buf, Descriptor, DriverError, DriverMemory, DriverRing, PackedDesc, PackedDriver, RingLayout, SharedBytes,
+    SharedBytesMut, SharedMemory, SplitDriver, Used,
 };
 
 use std::path::PathBuf;

@@ -513,12 +513,12 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
                     if n > 0 {
                         tx.flush()?;
                     }
-                    if a.mode == Mode::Txrx && rx.recv_burst(burst, |_| {})? > 0 {
+                    if a.mode == Mode::Txrx && rx.recv_burst_shared(burst, |_, _| {})? > 0 {
                         saw_rx = true;
                     }
                     Ok::<(), vhostd_user::Error>(())
                 })(),
-                Mode::Rxonly => rx.recv_burst(burst, |_| {}).map(|n| {
+                Mode::Rxonly => rx.recv_burst_shared(burst, |_, _| {}).map(|n| {
                     if n > 0 {
                         saw_rx = true;
                     }
@@ -526,7 +526,7 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
                 Mode::Echo => (|| {
                     tx.reclaim()?;
                     let mut err = None;
-                    let n = rx.recv_burst(burst, |fr| match tx.send_frame(fr) {
+                    let n = rx.recv_burst_shared(burst, |_, fr| match tx.send_shared(fr) {
                         Ok(true) => {}
                         Ok(false) => tx_dropped += 1,
                         Err(e) => {
@@ -602,8 +602,8 @@ fn run(a: &NetArgs) -> Result<(Totals, f64, Option<String>), String> {
             for (rx, tx) in pairs.iter_mut() {
                 let _ = tx.reclaim();
                 got += rx
-                    .recv_burst(burst, |fr| {
-                        if a.mode == Mode::Echo && !matches!(tx.send_frame(fr), Ok(true)) {
+                    .recv_burst_shared(burst, |_, fr| {
+                        if a.mode == Mode::Echo && !matches!(tx.send_shared(fr), Ok(true)) {
                             tx_dropped += 1;
                         }
                     })

@@ -4,10 +4,12 @@
 
 use crate::queue::VirtQueue;
 use crate::Error;
-use virtq_driver::{Buf, Used};
+use virtq_driver::{Buf, SharedBytes, SharedBytesMut, Used};
 
 /// Largest frame we reassemble from mergeable buffers (64 KiB + Ethernet).
 const MAX_MERGED: usize = 65536 + 14;
+/// virtio_net_hdr with num_buffers (VERSION_1, or MRG_RXBUF); legacy's is 10.
+const MAX_HDR_LEN: usize = 12;
 
 /// Per-queue counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -60,6 +62,9 @@ impl TxQueue {
     /// Prepares one read-only descriptor per slot of the `size * buf_size`
     /// bytes at guest-physical `bufs`.
     pub fn new(mut queue: VirtQueue, bufs: u64, buf_size: u32, hdr_len: usize) -> Result<TxQueue, Error> {
+        if hdr_len > MAX_HDR_LEN || hdr_len > buf_size as usize {
+            return Err(Error::Config(format!("a {hdr_len}-byte virtio_net_hdr in {buf_size}-byte buffers")));
+        }
         let size = queue.ring.size();
         let base = queue
             .ring
@@ -133,6 +138,17 @@ impl TxQueue {
     /// rest zero): e.g. checksum or segmentation offload requests.
     #[inline]
     pub fn send_frame_with_header(&mut self, hdr: &[u8], frame: &[u8]) -> Result<bool, Error> {
+        self.send(hdr, frame.into())
+    }
+
+    /// As `send_frame`, from shared memory: a frame received (echo).
+    #[inline]
+    pub fn send_shared(&mut self, frame: SharedBytes) -> Result<bool, Error> {
+        self.send(&[], frame)
+    }
+
+    #[inline]
+    fn send(&mut self, hdr: &[u8], frame: SharedBytes) -> Result<bool, Error> {
         let hdr = &hdr[..hdr.len().min(self.hdr_len)];
         if frame.len() > self.max_frame() {
             return Err(Error::Config(format!("frame of {} bytes exceeds {}", frame.len(), self.max_frame())));
@@ -140,14 +156,12 @@ impl TxQueue {
         let Some(head) = self.free.pop() else {
             return Ok(false);
         };
-        let p = self.slot_ptr(head);
-        // SAFETY: the slot has buf_size >= hdr_len + frame.len() bytes and is
-        // ours (not in flight); `frame` is private memory, so no overlap.
-        unsafe {
-            std::ptr::write_bytes(p, 0, self.hdr_len);
-            std::ptr::copy_nonoverlapping(hdr.as_ptr(), p, hdr.len());
-            std::ptr::copy_nonoverlapping(frame.as_ptr(), p.add(self.hdr_len), frame.len());
-        }
+        // SAFETY: the slot's buf_size >= hdr_len + frame.len() bytes, in the
+        // frontend's memory, which outlives `b`; nothing borrows them.
+        let mut b = unsafe { SharedBytesMut::new(self.slot_ptr(head), self.hdr_len + frame.len()) };
+        b.write_at(0, &[0; MAX_HDR_LEN][..self.hdr_len]);
+        b.write_at(0, hdr);
+        b.write_shared_at(self.hdr_len, frame);
         let len = (self.hdr_len + frame.len()) as u32;
         self.queue.ring.set_kept_len(head, len)?;
         self.frame_len[head as usize] = frame.len() as u32;
@@ -210,6 +224,8 @@ pub struct RxQueue {
     merged: Vec<u8>,
     merged_hdr: Vec<u8>,
     merge_left: u16,
+    /// A frame copied out of shared memory (`recv_burst_with_header`).
+    copy: Vec<u8>,
     scratch: Vec<Used>,
     /// Counters (packets/bytes count delivered frames).
     pub stats: NetStats,
@@ -222,6 +238,9 @@ impl RxQueue {
     /// Prepares and posts one writable descriptor per slot (published, no kick:
     /// the backend has not started the queue yet).
     pub fn new(mut queue: VirtQueue, bufs: u64, buf_size: u32, hdr_len: usize, mrg: bool) -> Result<RxQueue, Error> {
+        if hdr_len > MAX_HDR_LEN || hdr_len > buf_size as usize || (mrg && hdr_len < MAX_HDR_LEN) {
+            return Err(Error::Config(format!("a {hdr_len}-byte virtio_net_hdr in {buf_size}-byte buffers")));
+        }
         let size = queue.ring.size();
         let base = queue
             .ring
@@ -246,6 +265,7 @@ impl RxQueue {
             merged: Vec::new(),
             merged_hdr: Vec::new(),
             merge_left: 0,
+            copy: Vec::with_capacity(buf_size as usize),
             scratch: vec![Used::default(); size as usize],
             stats: NetStats::default(),
         })
@@ -265,6 +285,22 @@ impl RxQueue {
     /// buffer's; num_buffers included when mergeable).
     #[inline]
     pub fn recv_burst_with_header(&mut self, max: usize, mut f: impl FnMut(&[u8], &[u8])) -> Result<usize, Error> {
+        let mut copy = std::mem::take(&mut self.copy);
+        let r = self.recv_burst_shared(max, |hdr, frame| {
+            // Out of the device's reach before anyone reads it.
+            copy.clear();
+            frame.append_to(&mut copy);
+            f(hdr, &copy)
+        });
+        self.copy = copy;
+        r
+    }
+
+    /// As `recv_burst_with_header`, with the frame where it lies (the
+    /// device's buffer, or the reassembly buffer): nothing is copied for a
+    /// caller that only counts frames or reads a few bytes.
+    #[inline]
+    pub fn recv_burst_shared(&mut self, max: usize, mut f: impl FnMut(&[u8], SharedBytes)) -> Result<usize, Error> {
         let max = max.min(self.scratch.len());
         let mut out = std::mem::take(&mut self.scratch);
         let r = self.queue.ring.pop_used_batch(&mut out[..max], true);
@@ -292,7 +328,7 @@ impl RxQueue {
     }
 
     #[inline]
-    fn handle(&mut self, u: &Used, f: &mut impl FnMut(&[u8], &[u8])) -> usize {
+    fn handle(&mut self, u: &Used, f: &mut impl FnMut(&[u8], SharedBytes)) -> usize {
         let len = u.len as usize;
         if len > self.buf_size as usize {
             self.stats.bad += 1;
@@ -300,11 +336,9 @@ impl RxQueue {
             return 0;
         }
         let s = self.slot_of[u.id as usize] as usize;
-        // SAFETY: s < size, len <= buf_size: inside the buffer area. The
-        // device returned this buffer and we repost it only after `f`
-        // returns; a device writing it anyway can only change bytes (any
-        // value is a valid u8).
-        let data = unsafe { std::slice::from_raw_parts(self.base.add(s * self.buf_size as usize), len) };
+        // SAFETY: s < size, len <= buf_size: inside the buffer area, in
+        // the frontend's memory, which outlives this call.
+        let data = unsafe { SharedBytes::new(self.base.add(s * self.buf_size as usize), len) };
         if self.merge_left > 0 {
             // Continuation buffers carry no header.
             if self.merged.len() + len > MAX_MERGED {
@@ -312,21 +346,26 @@ impl RxQueue {
                 self.abort_merge();
                 return 0;
             }
-            self.merged.extend_from_slice(data);
+            data.append_to(&mut self.merged);
             self.merge_left -= 1;
             if self.merge_left == 0 {
                 self.stats.packets += 1;
                 self.stats.bytes += self.merged.len() as u64;
-                f(&self.merged_hdr, &self.merged);
+                f(&self.merged_hdr, SharedBytes::from(&self.merged[..]));
                 return 1;
             }
             return 0;
         }
-        if len < self.hdr_len {
+        let Some(frame) = data.slice(self.hdr_len..len) else {
             self.stats.bad += 1;
             return 0;
-        }
-        let nbufs = match (self.mrg, data.get(10..12)) {
+        };
+        // The header copied once: what the device writes meanwhile cannot
+        // change it between the checks below and `f`.
+        let mut hdr = [0u8; MAX_HDR_LEN];
+        let hdr = &mut hdr[..self.hdr_len];
+        data.copy_to(hdr);
+        let nbufs = match (self.mrg, hdr.get(10..12)) {
             (false, _) => 1,
             (true, Some(b)) => u16::from_le_bytes([b[0], b[1]]),
             (true, None) => 0,
@@ -335,17 +374,16 @@ impl RxQueue {
             self.stats.bad += 1;
             return 0;
         }
-        let frame = &data[self.hdr_len..];
         if nbufs == 1 {
             self.stats.packets += 1;
             self.stats.bytes += frame.len() as u64;
-            f(&data[..self.hdr_len], frame);
+            f(hdr, frame);
             return 1;
         }
         self.merged_hdr.clear();
-        self.merged_hdr.extend_from_slice(&data[..self.hdr_len]);
+        self.merged_hdr.extend_from_slice(hdr);
         self.merged.clear();
-        self.merged.extend_from_slice(frame);
+        frame.append_to(&mut self.merged);
         self.merge_left = nbufs - 1;
         0
     }

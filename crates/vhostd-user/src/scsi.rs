@@ -31,7 +31,7 @@ use crate::blk::RawSeg;
 use crate::queue::VirtQueue;
 use crate::{features, DeviceType, Error, VirtioUser};
 use std::time::{Duration, Instant};
-use virtq_driver::{Buf, Used};
+use virtq_driver::{Buf, SharedBytes, SharedBytesMut, Used};
 
 // The wire format is the device's (one definition for both sides).
 pub use vhostd_scsi::sense::{key, Sense};
@@ -945,7 +945,7 @@ impl ScsiQueue {
     /// Queues `cmd` for the LUN `set_lun` chose, with the next tag of this
     /// queue (1, 2, ...); see `submit_to`.
     #[inline]
-    pub fn submit(&mut self, cmd: &Cmd, user: u64, fill: impl FnOnce(&mut [u8])) -> Result<bool, Error> {
+    pub fn submit(&mut self, cmd: &Cmd, user: u64, fill: impl FnOnce(&mut SharedBytesMut)) -> Result<bool, Error> {
         let id = self.next_id;
         let posted = self.submit_to(self.lun, id, cmd, user, fill)?;
         if posted {
@@ -966,7 +966,7 @@ impl ScsiQueue {
         id: u64,
         cmd: &Cmd,
         user: u64,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut SharedBytesMut),
     ) -> Result<bool, Error> {
         let hdr = CmdReq { lun, id, task_attr: 0, prio: 0, crn: 0, cdb: cmd.cdb }.bytes();
         self.submit_slot(lun, id, cmd.cdb[0], cmd.data, user, fill, |p| {
@@ -988,7 +988,7 @@ impl ScsiQueue {
         lba: u32,
         blocks: u16,
         user: u64,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut SharedBytesMut),
     ) -> Result<bool, Error> {
         let (lun, id, bs) = (self.lun, self.next_id, self.block_size);
         let len = blocks as u32 * bs;
@@ -1014,7 +1014,7 @@ impl ScsiQueue {
         opcode: u8,
         data: Data,
         user: u64,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut SharedBytesMut),
         header: impl FnOnce(*mut u8),
     ) -> Result<bool, Error> {
         let data_len = data.len();
@@ -1033,9 +1033,10 @@ impl ScsiQueue {
             // and response: not written until the device writes them.
             std::ptr::write_bytes(p.add(CTRL_RESP as usize), RESPONSE_NOT_WRITTEN, 12);
         }
-        // SAFETY: data_len <= max_data <= stride: the slot's own data area,
-        // not in flight. The device may only touch it once posted below.
-        fill(unsafe { std::slice::from_raw_parts_mut(self.data_ptr(slot), data_len as usize) });
+        // SAFETY: data_len <= max_data <= stride: the slot's own data area
+        // in the frontend's memory, which outlives this call; nothing here
+        // holds a reference to it.
+        fill(&mut unsafe { SharedBytesMut::new(self.data_ptr(slot), data_len as usize) });
         let shape = Shape::Typed(data);
         match self.slots[slot as usize].kept {
             Some((h, s)) if s == shape => self.queue.ring.repost(h)?,
@@ -1174,7 +1175,7 @@ impl ScsiQueue {
     /// then frees the slots. Returns how many completed. A device that
     /// breaks the ring is an error.
     #[inline]
-    pub fn poll(&mut self, mut f: impl FnMut(&ScsiCompletion, &[u8])) -> Result<usize, Error> {
+    pub fn poll(&mut self, mut f: impl FnMut(&ScsiCompletion, SharedBytes)) -> Result<usize, Error> {
         let mut out = std::mem::take(&mut self.used);
         let r = self.queue.ring.pop_used_batch(&mut out, true);
         let n = *r.as_ref().unwrap_or(&0);
@@ -1220,8 +1221,9 @@ impl ScsiQueue {
                 Some(at) => (at, s.writable_len),
                 None => (0, s.data.len()),
             };
-            // SAFETY: data_off + data_len <= stride: the slot's data area.
-            let data = unsafe { std::slice::from_raw_parts(base.add(data_off as usize), data_len as usize) };
+            // SAFETY: data_off + data_len <= stride: the slot's data area,
+            // in the frontend's memory, which outlives the call.
+            let data = unsafe { SharedBytes::new(base.add(data_off as usize), data_len as usize) };
             f(&c, data);
             self.free.push(slot);
         }
@@ -1264,8 +1266,8 @@ impl ScsiQueue {
                 Data::In(_) => buf.fill(POISON),
                 _ => {
                     let n = data_out.len().min(buf.len());
-                    buf[..n].copy_from_slice(&data_out[..n]);
-                    buf[n..].fill(0);
+                    buf.fill(0);
+                    buf.write_at(0, &data_out[..n]);
                 }
             })
         })
@@ -1599,11 +1601,10 @@ impl ScsiCtrl {
             let slot = u.token as u16;
             let s = &self.slots[slot as usize];
             // SAFETY: writable_at + writable_len <= CTRL_SLOT: inside the
-            // slot. The device returned the chain; one that writes it anyway
-            // only changes bytes.
-            let w = unsafe {
-                std::slice::from_raw_parts(self.slot_ptr(slot).add(s.writable_at as usize), s.writable_len as usize)
-            };
+            // slot, in the frontend's memory, which outlives the call.
+            let w =
+                unsafe { SharedBytes::new(self.slot_ptr(slot).add(s.writable_at as usize), s.writable_len as usize) };
+            let w = w.to_vec();
             let (response, event_actual) = match s.kind {
                 CtrlKind::Tmf => (w[0], 0),
                 CtrlKind::An if w[..4] == [RESPONSE_NOT_WRITTEN; 4] => (w[4], u32::MAX),
@@ -1615,7 +1616,7 @@ impl ScsiCtrl {
                 used_len: u.len,
                 response,
                 event_actual,
-                writable: w.to_vec(),
+                writable: w,
                 latency: s.submitted.elapsed(),
             });
             self.free.push(slot);

@@ -20,7 +20,9 @@ use std::time::Duration;
 use vhost::vhost_user::message::VhostUserConfigFlags;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
-use vhostd_user::blk::workload::{self, check_pattern, fill_pattern, Mode, Workload};
+use vhostd_user::blk::workload::{
+    self, check_pattern, check_pattern_shared, fill_pattern, fill_pattern_shared, Mode, Workload,
+};
 use vhostd_user::blk::{self, status, types, BlkConfig, BlkOp, BlkQueue, BlkReply, RawSeg, SECTOR, STATUS_NOT_WRITTEN};
 use vhostd_user::{features as f, Options, VhostUserProtocolFeatures, VirtioUser};
 
@@ -1023,7 +1025,7 @@ fn at_most_256_requests_in_flight_per_queue() {
         done += bq
             .poll(|c, data| {
                 assert_eq!((c.status, c.used_len), (status::OK, 4097), "request {}", c.user);
-                assert_eq!(check_pattern(data, c.user * 4096, BG), None, "request {}", c.user);
+                assert_eq!(check_pattern_shared(data, c.user * 4096, BG), None, "request {}", c.user);
                 assert!(!std::mem::replace(&mut got[c.user as usize], true), "request {} twice", c.user);
             })
             .unwrap();
@@ -1064,7 +1066,7 @@ fn vring_base_after_requests_finish(packed: bool) {
         for i in 0..N {
             let off = region(r) + i * BS;
             let op = BlkOp::Write { sector: off / 512, len: BS as u32 };
-            assert!(bq.submit(op, i, |b| fill_pattern(b, off, 50 + r)).unwrap());
+            assert!(bq.submit(op, i, |b| fill_pattern_shared(b, off, 50 + r)).unwrap());
         }
         bq.flush().unwrap();
         // Once one has completed the device has taken all 32 (published
@@ -1318,7 +1320,7 @@ fn reconnect_after_a_frontend_drops_requests_in_flight() {
         for i in 0..N {
             let off = region(r) + i * BS;
             let op = BlkOp::Write { sector: off / 512, len: BS as u32 };
-            assert!(bq.submit(op, i, |b| fill_pattern(b, off, 30 + r)).unwrap());
+            assert!(bq.submit(op, i, |b| fill_pattern_shared(b, off, 30 + r)).unwrap());
         }
         bq.flush().unwrap();
         if r >= 2 {

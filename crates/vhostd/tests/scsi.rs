@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use vhostd_user::blk::workload::{check_pattern, fill_pattern, Mode, Workload};
+use vhostd_user::blk::workload::{check_pattern, fill_pattern, fill_pattern_shared, Mode, Workload};
 use vhostd_user::blk::RawSeg;
 use vhostd_user::scsi::{
     self, ctrl, event, key, lun_field, op, response, status, tmf, Cmd, CmdReq, Data, ScsiCompletion, ScsiCtrl,
@@ -1976,7 +1976,7 @@ fn reconnect_under_writes(kill: bool) {
             while next < end && q.in_flight() < 32 && (broken || next < break_at) {
                 let off = next * BS;
                 let cmd = Cmd::write_16(off / 512, (BS / 512) as u32, 512);
-                assert!(q.submit(&cmd, next, |b| fill_pattern(b, off, seed(next))).unwrap());
+                assert!(q.submit(&cmd, next, |b| fill_pattern_shared(b, off, seed(next))).unwrap());
                 next += 1;
                 n += 1;
             }
@@ -2079,7 +2079,9 @@ fn killed_with_writes_hung_in_the_disk_resubmits_them() {
     for b in 100..116u64 {
         assert!(q
             .q
-            .submit_to(lun_field(0), b, &Cmd::write_16(b * 8, 8, 512), b, |buf| buf.copy_from_slice(&block(b)))
+            .submit_to(lun_field(0), b, &Cmd::write_16(b * 8, 8, 512), b, |buf| assert!(
+                buf.len() == 4096 && buf.write_at(0, &block(b))
+            ))
             .unwrap());
     }
     q.q.flush().unwrap();
@@ -2229,7 +2231,7 @@ fn all_in_flight(q: &mut Q, cmds: &[(Cmd, Vec<u8>)]) -> BTreeMap<u64, Vec<u8>> {
     for (i, (cmd, out)) in cmds.iter().enumerate() {
         let posted =
             q.q.submit(cmd, i as u64, |b| match cmd.data {
-                Data::Out(_) => b.copy_from_slice(out),
+                Data::Out(_) => assert!(b.write_at(0, out) && b.len() == out.len()),
                 _ => b.fill(POISON),
             })
             .unwrap();

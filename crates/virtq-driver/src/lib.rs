@@ -35,7 +35,7 @@ mod raw;
 mod split;
 
 pub use driver_ring::DriverRing;
-pub use memory::{memfd, prefetch, DriverMemory, SharedMemory};
+pub use memory::{memfd, prefetch, DriverMemory, SharedBytes, SharedBytesMut, SharedMemory};
 pub use packed::{PackedDesc, PackedDriver};
 pub use split::{Descriptor, SplitDriver};
 

@@ -9,6 +9,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::io;
+use std::marker::PhantomData;
 use std::os::unix::io::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 
@@ -242,6 +243,187 @@ impl DriverMemory {
     }
 }
 
+/// Bytes of shared memory the device may write at any time: it returned
+/// the buffer, but a hostile device can still write it. Not a `&[u8]`,
+/// whose bytes the compiler may assume stay put: they are only copied out.
+/// Copies are plain `copy_nonoverlapping`, as `DriverMemory::read` and the
+/// device side's guest memory copies are: each byte is read once, into
+/// memory of our own, so what the device does meanwhile can only change
+/// which values arrive. Single bytes (`get`) are volatile reads.
+#[derive(Clone, Copy)]
+pub struct SharedBytes<'a> {
+    ptr: *const u8,
+    len: usize,
+    _mem: PhantomData<&'a SharedMemory>,
+}
+
+impl<'a> SharedBytes<'a> {
+    /// The `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is non-null and valid for reads of `len` bytes for `'a`: in one
+    /// mapping that stays mapped, or private memory that stays allocated
+    /// and that nothing in this process writes or borrows mutably meanwhile.
+    /// (The device side writing them is why this is not a `&[u8]`.)
+    #[inline]
+    pub unsafe fn new(ptr: *const u8, len: usize) -> SharedBytes<'a> {
+        SharedBytes { ptr, len, _mem: PhantomData }
+    }
+
+    /// Length in bytes.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if empty.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The byte at `i`, if inside.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<u8> {
+        // SAFETY: i < len: inside the bytes (see `new`).
+        (i < self.len).then(|| unsafe { std::ptr::read_volatile(self.ptr.add(i)) })
+    }
+
+    /// The bytes in `range`, if inside.
+    #[inline]
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Option<SharedBytes<'a>> {
+        if range.start > range.end || range.end > self.len {
+            return None;
+        }
+        // SAFETY: start <= end <= len: a part of the bytes (see `new`).
+        Some(unsafe { SharedBytes::new(self.ptr.add(range.start), range.end - range.start) })
+    }
+
+    /// Copies the first `out.len()` bytes (fewer if there are fewer) into
+    /// `out`; returns how many.
+    #[inline]
+    pub fn copy_to(&self, out: &mut [u8]) -> usize {
+        let n = out.len().min(self.len);
+        // SAFETY: n bytes inside both; `out` is private memory, so they
+        // cannot overlap. What the device writes meanwhile only changes
+        // which bytes arrive (any value is a valid u8).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr, out.as_mut_ptr(), n) };
+        n
+    }
+
+    /// Appends a copy of the bytes to `v`.
+    #[inline]
+    pub fn append_to(&self, v: &mut Vec<u8>) {
+        v.reserve(self.len);
+        let at = v.len();
+        // SAFETY: `reserve` made room for len more bytes after `at`, in
+        // `v`'s own allocation (private, so no overlap); they are all
+        // written before `set_len` counts them, and any value is a valid u8.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr().add(at), self.len);
+            v.set_len(at + self.len);
+        }
+    }
+
+    /// A copy of the bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len);
+        self.append_to(&mut v);
+        v
+    }
+}
+
+impl<'a> From<&'a [u8]> for SharedBytes<'a> {
+    /// Private bytes seen the same way (tests, bounce buffers).
+    fn from(b: &'a [u8]) -> SharedBytes<'a> {
+        // SAFETY: a live slice, borrowed for 'a.
+        unsafe { SharedBytes::new(b.as_ptr(), b.len()) }
+    }
+}
+
+impl std::fmt::Debug for SharedBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBytes({} bytes at {:p})", self.len, self.ptr)
+    }
+}
+
+/// A buffer in shared memory the driver fills before handing it to the
+/// device. The device should not touch it meanwhile, but may (a hostile
+/// one would): so, like `SharedBytes`, not a `&mut [u8]`; bytes are only
+/// copied in.
+pub struct SharedBytesMut<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _mem: PhantomData<&'a SharedMemory>,
+}
+
+impl<'a> SharedBytesMut<'a> {
+    /// The `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is non-null and valid for writes of `len` bytes for `'a`: in
+    /// one mapping that stays mapped and writable, or private memory that
+    /// stays allocated; nothing in this process borrows them meanwhile.
+    #[inline]
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> SharedBytesMut<'a> {
+        SharedBytesMut { ptr, len, _mem: PhantomData }
+    }
+
+    /// Length in bytes.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if empty.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `src` in at byte `at`; false (and nothing written) if it
+    /// does not fit.
+    #[inline]
+    pub fn write_at(&mut self, at: usize, src: &[u8]) -> bool {
+        if at > self.len || src.len() > self.len - at {
+            return false;
+        }
+        // SAFETY: at + src.len() <= len: inside the bytes (see `new`);
+        // `src` is private memory, so they cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), src.len()) };
+        true
+    }
+
+    /// Copies `src`, itself in shared memory, in at byte `at`; false (and
+    /// nothing written) if it does not fit.
+    #[inline]
+    pub fn write_shared_at(&mut self, at: usize, src: SharedBytes) -> bool {
+        if at > self.len || src.len > self.len - at {
+            return false;
+        }
+        // SAFETY: at + src.len <= len: inside these bytes; src.len bytes
+        // readable at src.ptr (see `SharedBytes::new`). `copy` allows the
+        // two ranges to overlap (both may be in the same mapping).
+        unsafe { std::ptr::copy(src.ptr, self.ptr.add(at), src.len) };
+        true
+    }
+
+    /// Sets every byte to `byte`.
+    #[inline]
+    pub fn fill(&mut self, byte: u8) {
+        // SAFETY: len bytes inside (see `new`).
+        unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
+    }
+
+    /// Fills the bytes through `f` on a private buffer of the same length,
+    /// then copies that in (for code written for a `&mut [u8]`).
+    pub fn fill_with(&mut self, f: impl FnOnce(&mut [u8])) {
+        let mut b = vec![0u8; self.len];
+        f(&mut b);
+        self.write_at(0, &b);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,5 +472,35 @@ mod tests {
     fn prefetch_takes_any_address() {
         prefetch(std::ptr::null());
         prefetch(usize::MAX as *const u8);
+    }
+
+    #[test]
+    fn shared_bytes_copy_in_and_out_within_bounds() {
+        let m = SharedMemory::anonymous(4096).unwrap();
+        // SAFETY: 16 bytes inside the mapping, which outlives both.
+        let mut w = unsafe { SharedBytesMut::new(m.as_ptr().add(100), 16) };
+        w.fill(0xa5);
+        assert!(w.write_at(14, &[1, 2]));
+        assert!(!w.write_at(15, &[1, 2]), "past the end");
+        assert!(!w.write_at(usize::MAX, &[]), "at past the end");
+        w.fill_with(|b| b[0] = 9);
+        assert!(w.write_shared_at(1, SharedBytes::from(&[0u8; 15][..])));
+        assert!(!w.write_shared_at(2, SharedBytes::from(&[0u8; 15][..])), "past the end");
+        // SAFETY: as above.
+        let r = unsafe { SharedBytes::new(m.as_ptr().add(100), 16) };
+        assert_eq!(r.to_vec(), [9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        // SAFETY: as above.
+        let r = unsafe { SharedBytes::new(m.as_ptr().add(99), 4) };
+        assert_eq!((r.get(0), r.get(1), r.get(4)), (Some(0), Some(9), None));
+        let mut out = [7u8; 8];
+        assert_eq!(r.copy_to(&mut out), 4);
+        assert_eq!(out, [0, 9, 0, 0, 7, 7, 7, 7]);
+        assert_eq!(r.slice(1..3).map(|s| s.to_vec()), Some(vec![9, 0]));
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 3..2;
+        assert!(r.slice(3..5).is_none() && r.slice(backwards).is_none());
+        let mut v = vec![1];
+        SharedBytes::from(&[2u8, 3][..]).append_to(&mut v);
+        assert_eq!(v, [1, 2, 3]);
     }
 }

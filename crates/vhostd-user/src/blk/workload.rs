@@ -12,6 +12,7 @@ use crate::queue::VirtQueue;
 use crate::{features, Error};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+use virtq_driver::{SharedBytes, SharedBytesMut};
 
 /// A completed request as the workload engine sees it.
 pub trait IoCompletion {
@@ -53,13 +54,13 @@ pub trait IoQueue {
         offset: u64,
         len: u32,
         user: u64,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut SharedBytesMut),
     ) -> Result<bool, Error>;
     /// Publishes what was submitted and kicks if the device wants it.
     fn post(&mut self) -> Result<bool, Error>;
     /// Takes every completion the device has made, calling `f` with each
     /// and its data-in bytes. Returns how many.
-    fn poll_io(&mut self, f: impl FnMut(&Self::Completion, &[u8])) -> Result<usize, Error>;
+    fn poll_io(&mut self, f: impl FnMut(&Self::Completion, SharedBytes)) -> Result<usize, Error>;
     /// Makes completed writes durable with one synchronous request (nothing
     /// else in flight): its status and completion, or None when the device
     /// has no such request.
@@ -116,7 +117,7 @@ impl IoQueue for BlkQueue {
         offset: u64,
         len: u32,
         user: u64,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut SharedBytesMut),
     ) -> Result<bool, Error> {
         let sector = offset / SECTOR;
         let op = if write { BlkOp::Write { sector, len } } else { BlkOp::Read { sector, len } };
@@ -127,7 +128,7 @@ impl IoQueue for BlkQueue {
         self.flush()
     }
     #[inline]
-    fn poll_io(&mut self, f: impl FnMut(&BlkCompletion, &[u8])) -> Result<usize, Error> {
+    fn poll_io(&mut self, f: impl FnMut(&BlkCompletion, SharedBytes)) -> Result<usize, Error> {
         self.poll(f)
     }
     fn sync_cache(&mut self, timeout: Duration) -> Result<Option<(u8, BlkCompletion)>, Error> {
@@ -413,6 +414,28 @@ pub fn check_pattern(buf: &[u8], offset: u64, seed: u64) -> Option<usize> {
     None
 }
 
+/// `fill_pattern` into shared memory (a request's data area).
+pub fn fill_pattern_shared(buf: &mut SharedBytesMut, offset: u64, seed: u64) {
+    let mut w = [0u8; 512];
+    for at in (0..buf.len()).step_by(w.len()) {
+        let n = (buf.len() - at).min(w.len());
+        fill_pattern(&mut w[..n], offset + at as u64, seed);
+        buf.write_at(at, &w[..n]);
+    }
+}
+
+/// `check_pattern` of shared memory (a read's data as the device left it).
+pub fn check_pattern_shared(buf: SharedBytes, offset: u64, seed: u64) -> Option<usize> {
+    let mut w = [0u8; 512];
+    for at in (0..buf.len()).step_by(w.len()) {
+        let n = buf.slice(at..buf.len()).map_or(0, |b| b.copy_to(&mut w));
+        if let Some(i) = check_pattern(&w[..n], offset + at as u64, seed) {
+            return Some(at + i);
+        }
+    }
+    None
+}
+
 /// What verify reads find in their buffers before the device writes them
 /// (no 8-byte pattern word is all 0xa5 but by a 2^-64 chance).
 const POISON: u8 = 0xa5;
@@ -591,11 +614,11 @@ impl Run<'_> {
                         let blk = self.next_block(ph.random, &mut seq);
                         let off = blk * bs as u64;
                         let posted = match (ph.write, ph.verify) {
-                            (true, true) => q.submit_io(true, off, bs, blk, |b| fill_pattern(b, off, seed))?,
+                            (true, true) => q.submit_io(true, off, bs, blk, |b| fill_pattern_shared(b, off, seed))?,
                             // Benchmark writes only stamp the block's offset.
                             (true, false) => q.submit_io(true, off, bs, blk, |b| {
-                                b[..8].copy_from_slice(&off.to_le_bytes());
-                                b[8..16].copy_from_slice(&seed.to_le_bytes());
+                                b.write_at(0, &off.to_le_bytes());
+                                b.write_at(8, &seed.to_le_bytes());
                             })?,
                             // Verify poisons the buffer first: a device that
                             // leaves it alone must not pass on stale data.
@@ -627,7 +650,7 @@ impl Run<'_> {
                     rep.bytes += bs as u64;
                     if ph.verify && !ph.write && c.read_ok() {
                         let off = c.user() * bs as u64;
-                        if let Some(i) = check_pattern(data, off, seed) {
+                        if let Some(i) = check_pattern_shared(data, off, seed) {
                             let at = off + i as u64;
                             rep.mismatch = Some(rep.mismatch.map_or(at, |m| m.min(at)));
                         }
@@ -861,5 +884,19 @@ mod tests {
         let mut b = vec![0u8; 2048];
         fill_pattern(&mut b, 8192 + 2048, 7);
         assert_eq!(&a[2048..], &b[..]);
+    }
+
+    #[test]
+    fn the_shared_pattern_is_the_same_pattern() {
+        let mut a = vec![0u8; 1500];
+        fill_pattern(&mut a, 4096, 3);
+        let mut b = vec![0u8; 1500];
+        // SAFETY: `b`, private and alive meanwhile, and not otherwise used.
+        fill_pattern_shared(&mut unsafe { SharedBytesMut::new(b.as_mut_ptr(), b.len()) }, 4096, 3);
+        assert_eq!(a, b);
+        assert_eq!(check_pattern_shared((&b[..]).into(), 4096, 3), None);
+        b[1100] ^= 1;
+        assert_eq!(check_pattern_shared((&b[..]).into(), 4096, 3), Some(1100));
+        assert_eq!(check_pattern_shared((&b[..0]).into(), 4096, 3), None);
     }
 }

@@ -9,8 +9,11 @@ use crate::queue::VirtQueue;
 use crate::Error;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
+use virtq_driver::{SharedBytes, SharedBytesMut};
 
-pub use crate::blk::workload::{check_pattern, fill_pattern, Histogram, Mode};
+pub use crate::blk::workload::{
+    check_pattern, check_pattern_shared, fill_pattern, fill_pattern_shared, Histogram, Mode,
+};
 
 /// Runs `w` over `queues` (each addressing the unit `set_lun` chose, whose
 /// block size `set_disk` or `probe_disk` gave) of a unit of `cap_bytes`
@@ -100,7 +103,7 @@ impl IoQueue for ScsiQueue {
         offset: u64,
         len: u32,
         user: u64,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnOnce(&mut SharedBytesMut),
     ) -> Result<bool, Error> {
         let bs = self.block_size;
         // Shifts for the usual power-of-two block size: a 64-bit divide
@@ -124,7 +127,7 @@ impl IoQueue for ScsiQueue {
         self.flush()
     }
     #[inline]
-    fn poll_io(&mut self, f: impl FnMut(&ScsiCompletion, &[u8])) -> Result<usize, Error> {
+    fn poll_io(&mut self, f: impl FnMut(&ScsiCompletion, SharedBytes)) -> Result<usize, Error> {
         self.poll(f)
     }
     fn sync_cache(&mut self, timeout: Duration) -> Result<Option<(u8, ScsiCompletion)>, Error> {
