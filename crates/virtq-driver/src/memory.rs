@@ -249,7 +249,7 @@ impl DriverMemory {
 /// Copies are plain `copy_nonoverlapping`, as `DriverMemory::read` and the
 /// device side's guest memory copies are: each byte is read once, into
 /// memory of our own, so what the device does meanwhile can only change
-/// which values arrive. Single bytes (`get`) are volatile reads.
+/// which values arrive.
 #[derive(Clone, Copy)]
 pub struct SharedBytes<'a> {
     ptr: *const u8,
@@ -280,13 +280,6 @@ impl<'a> SharedBytes<'a> {
     #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// The byte at `i`, if inside.
-    #[inline]
-    pub fn get(&self, i: usize) -> Option<u8> {
-        // SAFETY: i < len: inside the bytes (see `new`).
-        (i < self.len).then(|| unsafe { std::ptr::read_volatile(self.ptr.add(i)) })
     }
 
     /// The bytes in `range`, if inside.
@@ -414,14 +407,6 @@ impl<'a> SharedBytesMut<'a> {
         // SAFETY: len bytes inside (see `new`).
         unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
     }
-
-    /// Fills the bytes through `f` on a private buffer of the same length,
-    /// then copies that in (for code written for a `&mut [u8]`).
-    pub fn fill_with(&mut self, f: impl FnOnce(&mut [u8])) {
-        let mut b = vec![0u8; self.len];
-        f(&mut b);
-        self.write_at(0, &b);
-    }
 }
 
 #[cfg(test)]
@@ -483,7 +468,7 @@ mod tests {
         assert!(w.write_at(14, &[1, 2]));
         assert!(!w.write_at(15, &[1, 2]), "past the end");
         assert!(!w.write_at(usize::MAX, &[]), "at past the end");
-        w.fill_with(|b| b[0] = 9);
+        assert!(w.write_at(0, &[9]));
         assert!(w.write_shared_at(1, SharedBytes::from(&[0u8; 15][..])));
         assert!(!w.write_shared_at(2, SharedBytes::from(&[0u8; 15][..])), "past the end");
         // SAFETY: as above.
@@ -491,7 +476,6 @@ mod tests {
         assert_eq!(r.to_vec(), [9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
         // SAFETY: as above.
         let r = unsafe { SharedBytes::new(m.as_ptr().add(99), 4) };
-        assert_eq!((r.get(0), r.get(1), r.get(4)), (Some(0), Some(9), None));
         let mut out = [7u8; 8];
         assert_eq!(r.copy_to(&mut out), 4);
         assert_eq!(out, [0, 9, 0, 0, 7, 7, 7, 7]);
