@@ -662,18 +662,9 @@ impl PackedQueue {
             [.., last] if self.in_order && self.popped_len >= chains.len() => {
                 // Fold the batch's slot counts into the last one: add_used
                 // then writes one descriptor and skips them all.
-                // Summed over one or two plain slices: a loop that stepped
-                // popped_head one entry at a time was 20 % of process_tx's
-                // samples in the packed loop benchmark (a wrap check per
-                // chain, each depending on the last).
-                let (n, k, h) = (self.popped.len(), chains.len() - 1, self.popped_head);
-                let sum = |s: &[Popped]| s.iter().map(|p| p.ndesc as u32).sum::<u32>();
-                let slots = if h + k <= n {
-                    sum(&self.popped[h..h + k])
-                } else {
-                    sum(&self.popped[h..]) + sum(&self.popped[..h + k - n])
-                };
-                self.popped_head = wrap_index(h + k, n);
+                let k = chains.len() - 1;
+                let slots = self.oldest_popped_slots(k);
+                self.popped_head = wrap_index(self.popped_head + k, self.popped.len());
                 self.popped_len -= k;
                 let p = &mut self.popped[self.popped_head];
                 // A batch never exceeds the ring, so the sum fits.
@@ -681,12 +672,66 @@ impl PackedQueue {
                 self.add_used(last.head, 0);
                 self.stats.used_skipped += chains.len() as u64 - 1;
             }
+            _ if self.add_used_read_only_singles(chains) => {}
             _ => {
                 for c in chains {
                     self.add_used(c.head, 0);
                 }
             }
         }
+    }
+
+    /// The ring slots of the `k` oldest popped chains (`k <= popped_len`),
+    /// summed over one or two plain slices of the FIFO: a loop stepping
+    /// popped_head one entry at a time, a wrap check per chain each
+    /// depending on the last, was 20 % of process_tx's samples in the
+    /// packed loop benchmark.
+    #[inline]
+    fn oldest_popped_slots(&self, k: usize) -> u32 {
+        let (n, h) = (self.popped.len(), self.popped_head);
+        let sum = |s: &[Popped]| s.iter().map(|p| p.ndesc as u32).sum::<u32>();
+        if h + k <= n {
+            sum(&self.popped[h..h + k])
+        } else {
+            sum(&self.popped[h..]) + sum(&self.popped[..h + k - n])
+        }
+    }
+
+    /// `add_used(c.head, 0)` for each of `chains` in one pass, when they are
+    /// the oldest popped, each one slot long, and their used descriptors
+    /// neither wrap the ring nor join an unpublished batch: the common TX
+    /// batch without IN_ORDER. The same stores as the calls (first
+    /// descriptor and its line mates at publish, the rest at once), without
+    /// the FIFO and line checks per chain. False, having done nothing, when
+    /// the batch is not of that shape.
+    #[inline]
+    fn add_used_read_only_singles(&mut self, chains: &[Chain]) -> bool {
+        let (k, start) = (chains.len(), self.next_used);
+        if k == 0
+            || self.pending_first.is_some()
+            || k > self.popped_len
+            || start.idx as usize + k > self.ring.desc.len() as usize
+            // Every chain takes a slot at least: k slots means one each.
+            || self.oldest_popped_slots(k) != k as u32
+        {
+            return false;
+        }
+        let flags = if start.wrap { VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED } else { 0 };
+        let used = |j: usize| UsedDesc { slot: start.idx + j as u16, flags, len: 0, id: chains[j].head };
+        self.pending_first = Some(used(0));
+        let mut j = 1;
+        while j < k && j <= 3 && self.ring.same_line(start.idx, start.idx + j as u16) {
+            self.line_mates[j - 1] = used(j);
+            j += 1;
+        }
+        self.n_line_mates = (j - 1) as u8;
+        for (o, c) in chains.iter().enumerate().skip(j) {
+            self.ring.set_len_id_flags(start.idx + o as u16, 0, c.head, flags);
+        }
+        self.popped_head = wrap_index(self.popped_head + k, self.popped.len());
+        self.popped_len -= k;
+        self.next_used = start.advance(k as u16, self.ring.desc.len());
+        true
     }
 
     /// Makes the used descriptors written so far visible: one flags store.
@@ -870,6 +915,58 @@ mod tests {
         for i in 0..6u16 {
             assert_eq!(slot(&mem, i), (8 + i as u32, 20 + i, used_flags), "slot {i}");
         }
+    }
+
+    #[test]
+    fn a_read_only_batch_stores_what_add_used_per_chain_would() {
+        // Two rings fed the same chains: one completes each batch with
+        // add_used_read_only (one pass where it can), the other chain by
+        // chain. Batches: a line's four slots (three line mates); two; two
+        // that end at the ring's end; three in the second lap; three from
+        // the middle of a line; a two-slot chain that wraps the ring.
+        let (mem_a, mem_b) = (memory(), memory());
+        let mut qa = PackedQueue::new(mem_a.clone(), ring_of_8(0)).unwrap();
+        let mut qb = PackedQueue::new(mem_b.clone(), ring_of_8(0)).unwrap();
+        let (mut ba, mut bb) = (Batch::new(), Batch::new());
+        let ring = |mem: &GuestMemory| {
+            let mut r = [0u8; 8 * 16];
+            assert!(mem.read(RING, &mut r));
+            r
+        };
+        let mut next = 0u16;
+        for (round, chains) in
+            [vec![1, 1, 1, 1], vec![1, 1], vec![1, 1], vec![1, 1, 1], vec![1, 1, 1], vec![1, 2]].into_iter().enumerate()
+        {
+            for (c, &len) in chains.iter().enumerate() {
+                for s in 0..len {
+                    let slot = (next + s) % 8;
+                    let lap = (next + s) / 8 % 2;
+                    let next_flag = if s + 1 < len { VRING_DESC_F_NEXT } else { 0 };
+                    let id = 10 * round as u16 + c as u16;
+                    for mem in [&mem_a, &mem_b] {
+                        avail(mem, slot, BUFS + 0x100 * slot as u64, 60, id, next_flag);
+                        if lap == 1 {
+                            // Second lap: AVAIL clear, USED set.
+                            let f = next_flag | VRING_PACKED_DESC_F_USED;
+                            assert!(mem.write(RING + 16 * slot as u64 + 14, &f.to_le_bytes()));
+                        }
+                    }
+                }
+                next += len;
+            }
+            assert_eq!(qa.pop_batch(&mut ba, 8, Access::ReadOnly), chains.len());
+            assert_eq!(qb.pop_batch(&mut bb, 8, Access::ReadOnly), chains.len());
+            qa.add_used_read_only(&ba.chains);
+            for c in &bb.chains {
+                qb.add_used(c.head, 0);
+            }
+            assert_eq!(ring(&mem_a), ring(&mem_b), "round {round}, before the publish");
+            qa.publish_used();
+            qb.publish_used();
+            assert_eq!(ring(&mem_a), ring(&mem_b), "round {round}");
+            assert_eq!(qa.vring_base(), qb.vring_base(), "round {round}");
+        }
+        assert_eq!(qa.vring_base(), 1 | 0x8000 | ((1 | 0x8000) << 16));
     }
 
     #[test]
