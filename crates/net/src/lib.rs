@@ -376,22 +376,25 @@ fn rx_simple(
     stats: &mut DirStats,
 ) -> usize {
     let hdr_len = layout.hdr_len;
-    let n = rx.pop_batch(batch, frames.len(), Access::WriteOnly);
+    // At most BURST frames (process_rx), so at most BURST chains.
+    let n = rx.pop_batch(batch, frames.len().min(BURST), Access::WriteOnly);
     prefetch_popped(batch, hdr_len);
-    for (chain, f) in batch.chains.iter().zip(frames) {
+    let mut lens = [0u32; BURST];
+    for ((chain, f), used) in batch.chains.iter().zip(frames).zip(&mut lens) {
         let need = hdr_len + f.len;
         let dst = batch.writable(chain);
         if (chain.write_len as usize) < need {
+            // Returned empty.
             stats.too_big += 1;
             stats.dropped += 1;
-            rx.add_used(chain.head, 0);
             continue;
         }
         write_frame(dst, hdr_len, header_words(f, layout.rx_offloads, 1), f.frame());
-        rx.add_used(chain.head, need as u32);
+        *used = need as u32;
         stats.packets += 1;
         stats.bytes += f.len as u64;
     }
+    rx.add_used_batch(&batch.chains, &lens[..n]);
     n
 }
 
@@ -415,7 +418,25 @@ fn rx_mergeable(
             return done;
         }
         prefetch_popped(batch, HDR_LEN);
+        // The common case first: frames that each fit the next chain,
+        // completed together (one pass over the used descriptors).
+        let mut lens = [0u32; BURST];
         let mut c = 0;
+        while c < popped.min(BURST) && done < frames.len() {
+            let (f, chain) = (&frames[done], &batch.chains[c]);
+            let need = HDR_LEN + f.len;
+            if (chain.write_len as usize) < need {
+                break;
+            }
+            write_frame(batch.writable(chain), HDR_LEN, header_words(f, offloads, 1), f.frame());
+            lens[c] = need as u32;
+            stats.packets += 1;
+            stats.bytes += f.len as u64;
+            done += 1;
+            c += 1;
+        }
+        rx.add_used_batch(&batch.chains[..c], &lens[..c]);
+        // Then frame by frame: short buffers, frames over several chains.
         while done < frames.len() {
             let f = &frames[done];
             let need = HDR_LEN + f.len;

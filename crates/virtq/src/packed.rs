@@ -672,7 +672,7 @@ impl PackedQueue {
                 self.add_used(last.head, 0);
                 self.stats.used_skipped += chains.len() as u64 - 1;
             }
-            _ if self.add_used_read_only_singles(chains) => {}
+            _ if self.add_used_singles(chains, |_| 0) => {}
             _ => {
                 for c in chains {
                     self.add_used(c.head, 0);
@@ -697,15 +697,30 @@ impl PackedQueue {
         }
     }
 
-    /// `add_used(c.head, 0)` for each of `chains` in one pass, when they are
-    /// the oldest popped, each one slot long, and their used descriptors
-    /// neither wrap the ring nor join an unpublished batch: the common TX
-    /// batch without IN_ORDER. The same stores as the calls (first
-    /// descriptor and its line mates at publish, the rest at once), without
-    /// the FIFO and line checks per chain. False, having done nothing, when
-    /// the batch is not of that shape.
+    /// Completes `chains`, the oldest popped, in pop order: chain `j` with
+    /// `lens[j]` bytes written (`lens` as long as `chains`); what `add_used`
+    /// per chain does, in one pass where it can.
     #[inline]
-    fn add_used_read_only_singles(&mut self, chains: &[Chain]) -> bool {
+    pub fn add_used_batch(&mut self, chains: &[Chain], lens: &[u32]) {
+        let n = chains.len().min(lens.len());
+        let (chains, lens) = (&chains[..n], &lens[..n]);
+        if self.add_used_singles(chains, |j| lens[j]) {
+            return;
+        }
+        for (c, &len) in chains.iter().zip(lens) {
+            self.add_used(c.head, len);
+        }
+    }
+
+    /// `add_used(chains[j].head, len(j))` for each chain in one pass, when
+    /// they are the oldest popped, each one slot long, and their used
+    /// descriptors neither wrap the ring nor join an unpublished batch: a
+    /// common TX or RX batch of single-descriptor buffers. The same stores
+    /// as the calls (the first descriptor and its line mates at publish, the
+    /// rest at once), without the FIFO and line checks per chain. False,
+    /// having done nothing, when the batch is not of that shape.
+    #[inline(always)]
+    fn add_used_singles(&mut self, chains: &[Chain], len: impl Fn(usize) -> u32) -> bool {
         let (k, start) = (chains.len(), self.next_used);
         if k == 0
             || self.pending_first.is_some()
@@ -716,8 +731,13 @@ impl PackedQueue {
         {
             return false;
         }
-        let flags = if start.wrap { VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED } else { 0 };
-        let used = |j: usize| UsedDesc { slot: start.idx + j as u16, flags, len: 0, id: chains[j].head };
+        let lap = if start.wrap { VRING_PACKED_DESC_F_AVAIL | VRING_PACKED_DESC_F_USED } else { 0 };
+        let used = |j: usize| {
+            let len = len(j);
+            // As in add_used: WRITE says the buffer was written.
+            let flags = if len != 0 { lap | VRING_DESC_F_WRITE } else { lap };
+            UsedDesc { slot: start.idx + j as u16, flags, len, id: chains[j].head }
+        };
         self.pending_first = Some(used(0));
         let mut j = 1;
         while j < k && j <= 3 && self.ring.same_line(start.idx, start.idx + j as u16) {
@@ -725,8 +745,9 @@ impl PackedQueue {
             j += 1;
         }
         self.n_line_mates = (j - 1) as u8;
-        for (o, c) in chains.iter().enumerate().skip(j) {
-            self.ring.set_len_id_flags(start.idx + o as u16, 0, c.head, flags);
+        for o in j..k {
+            let u = used(o);
+            self.ring.set_len_id_flags(u.slot, u.len, u.id, u.flags);
         }
         self.popped_head = wrap_index(self.popped_head + k, self.popped.len());
         self.popped_len -= k;
@@ -917,13 +938,13 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_read_only_batch_stores_what_add_used_per_chain_would() {
-        // Two rings fed the same chains: one completes each batch with
-        // add_used_read_only (one pass where it can), the other chain by
-        // chain. Batches: a line's four slots (three line mates); two; two
-        // that end at the ring's end; three in the second lap; three from
-        // the middle of a line; a two-slot chain that wraps the ring.
+    /// Two rings fed the same chains: one completes each batch in one call
+    /// (one pass where it can), the other with add_used chain by chain;
+    /// every ring byte compared before and after each publish. Batches: a
+    /// line's four slots (three line mates); two; two that end at the
+    /// ring's end; three in the second lap; three from the middle of a
+    /// line; a two-slot chain that wraps the ring (the per-chain path).
+    fn batch_stores_what_add_used_per_chain_would(access: Access, complete: fn(&mut PackedQueue, &[Chain])) {
         let (mem_a, mem_b) = (memory(), memory());
         let mut qa = PackedQueue::new(mem_a.clone(), ring_of_8(0)).unwrap();
         let mut qb = PackedQueue::new(mem_b.clone(), ring_of_8(0)).unwrap();
@@ -933,6 +954,7 @@ mod tests {
             assert!(mem.read(RING, &mut r));
             r
         };
+        let write = if access == Access::WriteOnly { VRING_DESC_F_WRITE } else { 0 };
         let mut next = 0u16;
         for (round, chains) in
             [vec![1, 1, 1, 1], vec![1, 1], vec![1, 1], vec![1, 1, 1], vec![1, 1, 1], vec![1, 2]].into_iter().enumerate()
@@ -941,24 +963,24 @@ mod tests {
                 for s in 0..len {
                     let slot = (next + s) % 8;
                     let lap = (next + s) / 8 % 2;
-                    let next_flag = if s + 1 < len { VRING_DESC_F_NEXT } else { 0 };
+                    let flags = write | if s + 1 < len { VRING_DESC_F_NEXT } else { 0 };
                     let id = 10 * round as u16 + c as u16;
                     for mem in [&mem_a, &mem_b] {
-                        avail(mem, slot, BUFS + 0x100 * slot as u64, 60, id, next_flag);
+                        avail(mem, slot, BUFS + 0x100 * slot as u64, 60, id, flags);
                         if lap == 1 {
                             // Second lap: AVAIL clear, USED set.
-                            let f = next_flag | VRING_PACKED_DESC_F_USED;
+                            let f = flags | VRING_PACKED_DESC_F_USED;
                             assert!(mem.write(RING + 16 * slot as u64 + 14, &f.to_le_bytes()));
                         }
                     }
                 }
                 next += len;
             }
-            assert_eq!(qa.pop_batch(&mut ba, 8, Access::ReadOnly), chains.len());
-            assert_eq!(qb.pop_batch(&mut bb, 8, Access::ReadOnly), chains.len());
-            qa.add_used_read_only(&ba.chains);
+            assert_eq!(qa.pop_batch(&mut ba, 8, access), chains.len());
+            assert_eq!(qb.pop_batch(&mut bb, 8, access), chains.len());
+            complete(&mut qa, &ba.chains);
             for c in &bb.chains {
-                qb.add_used(c.head, 0);
+                qb.add_used(c.head, used_len(access, c.head));
             }
             assert_eq!(ring(&mem_a), ring(&mem_b), "round {round}, before the publish");
             qa.publish_used();
@@ -967,6 +989,30 @@ mod tests {
             assert_eq!(qa.vring_base(), qb.vring_base(), "round {round}");
         }
         assert_eq!(qa.vring_base(), 1 | 0x8000 | ((1 | 0x8000) << 16));
+    }
+
+    /// Bytes written into buffer `id` in these tests: none when read only;
+    /// else some, except every third id (a buffer returned empty has no
+    /// WRITE flag).
+    fn used_len(access: Access, id: u16) -> u32 {
+        if access == Access::ReadOnly || id.is_multiple_of(3) {
+            0
+        } else {
+            40 + id as u32
+        }
+    }
+
+    #[test]
+    fn a_read_only_batch_stores_what_add_used_per_chain_would() {
+        batch_stores_what_add_used_per_chain_would(Access::ReadOnly, |q, chains| q.add_used_read_only(chains));
+    }
+
+    #[test]
+    fn a_written_batch_stores_what_add_used_per_chain_would() {
+        batch_stores_what_add_used_per_chain_would(Access::WriteOnly, |q, chains| {
+            let lens: Vec<u32> = chains.iter().map(|c| used_len(Access::WriteOnly, c.head)).collect();
+            q.add_used_batch(chains, &lens)
+        });
     }
 
     #[test]

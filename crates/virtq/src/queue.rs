@@ -137,6 +137,14 @@ impl Queue {
         each!(self, q => q.add_used(head, len))
     }
 
+    /// Completes `chains` (the oldest popped, in pop order), chain `j` with
+    /// `lens[j]` bytes written; as `add_used` per chain, in one pass where
+    /// the ring can.
+    #[inline]
+    pub fn add_used_batch(&mut self, chains: &[Chain], lens: &[u32]) {
+        each!(self, q => q.add_used_batch(chains, lens))
+    }
+
     /// Completes the popped chain `head` (its buffer id), in whatever order
     /// chains finish; visible after `publish_used`.
     #[inline]

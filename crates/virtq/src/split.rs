@@ -373,6 +373,14 @@ impl SplitQueue {
         self.next_used = self.next_used.wrapping_add(1);
     }
 
+    /// `add_used` for each chain, chain `j` with `lens[j]` bytes written.
+    #[inline]
+    pub fn add_used_batch(&mut self, chains: &[Chain], lens: &[u32]) {
+        for (c, &len) in chains.iter().zip(lens) {
+            self.add_used(c.head, len);
+        }
+    }
+
     /// `add_used`: a split ring takes used elements in any order.
     #[inline]
     pub fn add_used_id(&mut self, head: u16, len: u32) {
