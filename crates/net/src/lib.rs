@@ -419,7 +419,7 @@ fn rx_mergeable(
         }
         prefetch_popped(batch, HDR_LEN);
         // The common case first: frames that each fit the next chain,
-        // completed together (one pass over the used descriptors).
+        // completed with one call (one pass on a packed ring).
         let mut lens = [0u32; BURST];
         let mut c = 0;
         while c < popped.min(BURST) && done < frames.len() {
@@ -436,7 +436,8 @@ fn rx_mergeable(
             c += 1;
         }
         rx.add_used_batch(&batch.chains[..c], &lens[..c]);
-        // Then frame by frame: short buffers, frames over several chains.
+        // Then frame by frame, from the first frame that does not fit one
+        // chain: short buffers, frames over several chains, and any after.
         while done < frames.len() {
             let f = &frames[done];
             let need = HDR_LEN + f.len;
@@ -488,7 +489,7 @@ fn rx_mergeable(
             }
             let nbufs = (k - c) as u16;
             if nbufs == 1 {
-                // The common case: the frame fits the next chain.
+                // The frame fits the next chain (after one that did not).
                 let chain = &batch.chains[c];
                 write_frame(batch.writable(chain), HDR_LEN, header_words(f, offloads, 1), f.frame());
                 rx.add_used(chain.head, need as u32);

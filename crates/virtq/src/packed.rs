@@ -7,9 +7,10 @@
 //! suppression areas replace the split ring's flags and event indexes.
 //!
 //! Batching: used descriptors of a batch are written with their flags
-//! straight away except the first one; `publish_used` stores that first flag
-//! word last, so the driver, which only ever polls the next slot, sees the
-//! whole batch at once (one publishing store per batch, as with used.idx).
+//! straight away except the first one and those after it in its cache line;
+//! `publish_used` stores those and then the first one's flag word last, so
+//! the driver, which only ever polls the next slot, sees the whole batch at
+//! once (one publishing store per batch, as with used.idx).
 //!
 //! The queue remembers each popped chain's descriptor count in a FIFO,
 //! which is what its used descriptor skips. `add_used` completes the oldest
@@ -652,7 +653,7 @@ impl PackedQueue {
         self.add_used(id, len);
     }
 
-    /// Completes the `chains` popped last (oldest first) as read with
+    /// Completes `chains`, the oldest popped and not yet used, as read with
     /// nothing written. With IN_ORDER that is one used descriptor with the
     /// last chain's id, skipping the slots of all of them (virtio 1.2, 2.8.9).
     #[inline]
@@ -938,57 +939,90 @@ mod tests {
         }
     }
 
-    /// Two rings fed the same chains: one completes each batch in one call
-    /// (one pass where it can), the other with add_used chain by chain;
-    /// every ring byte compared before and after each publish. Batches: a
-    /// line's four slots (three line mates); two; two that end at the
-    /// ring's end; three in the second lap; three from the middle of a
-    /// line; a two-slot chain that wraps the ring (the per-chain path).
+    /// Two rings fed the same chains: one completes each batch in one or
+    /// two calls (one pass where it can), the other with add_used chain by
+    /// chain; every ring byte compared before and after each publish. Each
+    /// round: the chains' slot counts, how many the first call completes
+    /// (the rest go in a second call, on top of an unpublished batch), and
+    /// whether it ends with a publish. Run on an 8-slot ring at a 64-byte
+    /// line start and on a 7-slot ring 16 bytes into a line.
     fn batch_stores_what_add_used_per_chain_would(access: Access, complete: fn(&mut PackedQueue, &[Chain])) {
-        let (mem_a, mem_b) = (memory(), memory());
-        let mut qa = PackedQueue::new(mem_a.clone(), ring_of_8(0)).unwrap();
-        let mut qb = PackedQueue::new(mem_b.clone(), ring_of_8(0)).unwrap();
-        let (mut ba, mut bb) = (Batch::new(), Batch::new());
-        let ring = |mem: &GuestMemory| {
-            let mut r = [0u8; 8 * 16];
-            assert!(mem.read(RING, &mut r));
-            r
-        };
-        let write = if access == Access::WriteOnly { VRING_DESC_F_WRITE } else { 0 };
-        let mut next = 0u16;
-        for (round, chains) in
-            [vec![1, 1, 1, 1], vec![1, 1], vec![1, 1], vec![1, 1, 1], vec![1, 1, 1], vec![1, 2]].into_iter().enumerate()
-        {
-            for (c, &len) in chains.iter().enumerate() {
-                for s in 0..len {
-                    let slot = (next + s) % 8;
-                    let lap = (next + s) / 8 % 2;
-                    let flags = write | if s + 1 < len { VRING_DESC_F_NEXT } else { 0 };
-                    let id = 10 * round as u16 + c as u16;
-                    for mem in [&mem_a, &mem_b] {
-                        avail(mem, slot, BUFS + 0x100 * slot as u64, 60, id, flags);
-                        if lap == 1 {
-                            // Second lap: AVAIL clear, USED set.
-                            let f = flags | VRING_PACKED_DESC_F_USED;
-                            assert!(mem.write(RING + 16 * slot as u64 + 14, &f.to_le_bytes()));
+        let rounds: [(&[u16], usize, bool); 7] = [
+            (&[1, 1, 1, 1], 4, true),
+            // Half a batch (more popped than completed), then the other
+            // half on top of it.
+            (&[1, 1], 1, true),
+            (&[1, 1], 2, true),
+            // Left unpublished: the next round joins it.
+            (&[1, 1, 1], 3, false),
+            (&[1, 1, 1], 3, true),
+            (&[1, 1, 1], 3, true),
+            // A two-slot chain (the per-chain path).
+            (&[1, 2], 2, true),
+        ];
+        for (size, desc) in [(8u16, RING), (7, RING + 16)] {
+            let (mem_a, mem_b) = (memory(), memory());
+            let cfg = PackedConfig { size, desc, ..ring_of_8(0) };
+            let mut qa = PackedQueue::new(mem_a.clone(), cfg).unwrap();
+            let mut qb = PackedQueue::new(mem_b.clone(), cfg).unwrap();
+            let (mut ba, mut bb) = (Batch::new(), Batch::new());
+            let ring = |mem: &GuestMemory| {
+                let mut r = vec![0u8; size as usize * 16];
+                assert!(mem.read(desc, &mut r));
+                r
+            };
+            let write = if access == Access::WriteOnly { VRING_DESC_F_WRITE } else { 0 };
+            let mut next = 0u16;
+            for (round, &(chains, first, publish)) in rounds.iter().enumerate() {
+                for (c, &len) in chains.iter().enumerate() {
+                    for s in 0..len {
+                        let slot = (next + s) % size;
+                        // The driver's flags: AVAIL = its wrap counter, USED its inverse.
+                        let lap = if ((next + s) / size).is_multiple_of(2) {
+                            VRING_PACKED_DESC_F_AVAIL
+                        } else {
+                            VRING_PACKED_DESC_F_USED
+                        };
+                        let flags = lap | write | if s + 1 < len { VRING_DESC_F_NEXT } else { 0 };
+                        let id = 10 * round as u16 + c as u16;
+                        let mut d = [0u8; 16];
+                        d[0..8].copy_from_slice(&(BUFS + 0x100 * slot as u64).to_le_bytes());
+                        d[8..12].copy_from_slice(&60u32.to_le_bytes());
+                        d[12..14].copy_from_slice(&id.to_le_bytes());
+                        d[14..16].copy_from_slice(&flags.to_le_bytes());
+                        for mem in [&mem_a, &mem_b] {
+                            assert!(mem.write(desc + 16 * slot as u64, &d));
                         }
                     }
+                    next += len;
                 }
-                next += len;
+                assert_eq!(qa.pop_batch(&mut ba, 8, access), chains.len());
+                assert_eq!(qb.pop_batch(&mut bb, 8, access), chains.len());
+                complete(&mut qa, &ba.chains[..first]);
+                complete(&mut qa, &ba.chains[first..]);
+                for c in &bb.chains {
+                    qb.add_used(c.head, used_len(access, c.head));
+                }
+                let at = format!("ring of {size}, round {round}");
+                assert_eq!(ring(&mem_a), ring(&mem_b), "{at}, before the publish");
+                if publish {
+                    qa.publish_used();
+                    qb.publish_used();
+                    assert_eq!(ring(&mem_a), ring(&mem_b), "{at}");
+                }
+                assert_eq!(qa.vring_base(), qb.vring_base(), "{at}");
             }
-            assert_eq!(qa.pop_batch(&mut ba, 8, access), chains.len());
-            assert_eq!(qb.pop_batch(&mut bb, 8, access), chains.len());
+            // Chains already used again (none in flight): nothing changes.
             complete(&mut qa, &ba.chains);
             for c in &bb.chains {
                 qb.add_used(c.head, used_len(access, c.head));
             }
-            assert_eq!(ring(&mem_a), ring(&mem_b), "round {round}, before the publish");
             qa.publish_used();
-            qb.publish_used();
-            assert_eq!(ring(&mem_a), ring(&mem_b), "round {round}");
-            assert_eq!(qa.vring_base(), qb.vring_base(), "round {round}");
+            assert_eq!(ring(&mem_a), ring(&mem_b), "ring of {size}, completed twice");
+            // 20 slots: both positions there, on the lap after it.
+            let pos = (20 % size) | if (20 / size).is_multiple_of(2) { 0x8000 } else { 0 };
+            assert_eq!(qa.vring_base(), pos as u32 | (pos as u32) << 16, "ring of {size}");
         }
-        assert_eq!(qa.vring_base(), 1 | 0x8000 | ((1 | 0x8000) << 16));
     }
 
     /// Bytes written into buffer `id` in these tests: none when read only;
