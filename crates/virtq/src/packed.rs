@@ -673,12 +673,7 @@ impl PackedQueue {
                 self.add_used(last.head, 0);
                 self.stats.used_skipped += chains.len() as u64 - 1;
             }
-            _ if self.add_used_singles(chains, |_| 0) => {}
-            _ => {
-                for c in chains {
-                    self.add_used(c.head, 0);
-                }
-            }
+            _ => self.add_used_each(chains, |_| 0),
         }
     }
 
@@ -705,11 +700,18 @@ impl PackedQueue {
     pub fn add_used_batch(&mut self, chains: &[Chain], lens: &[u32]) {
         let n = chains.len().min(lens.len());
         let (chains, lens) = (&chains[..n], &lens[..n]);
-        if self.add_used_singles(chains, |j| lens[j]) {
+        self.add_used_each(chains, |j| lens[j]);
+    }
+
+    /// `add_used(chains[j].head, len(j))` for each chain: in one pass
+    /// (`add_used_singles`) when the batch has that shape, else one by one.
+    #[inline(always)]
+    fn add_used_each(&mut self, chains: &[Chain], len: impl Fn(usize) -> u32) {
+        if self.add_used_singles(chains, &len) {
             return;
         }
-        for (c, &len) in chains.iter().zip(lens) {
-            self.add_used(c.head, len);
+        for (j, c) in chains.iter().enumerate() {
+            self.add_used(c.head, len(j));
         }
     }
 
