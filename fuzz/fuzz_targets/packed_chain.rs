@@ -2,7 +2,7 @@
 //! whose descriptor ring, event suppression areas and buffers come from the
 //! input, driven by a script of pops (every Access), in-order completions
 //! (add_used), out-of-order completions (add_used_id), batched read-only
-//! completions, unpops, remaps, notification calls and driver writes
+//! completions, in-order completions in one call (add_used_batch), unpops, remaps, notification calls and driver writes
 //! (descriptors made available in either lap, raw bytes, event areas).
 //!
 //! Input: size (1 + b, 1..=256), feature/layout byte (bit 0 INDIRECT_DESC,
@@ -36,8 +36,9 @@ struct Run {
     device: u64,
     /// Avail position minus used position (mod 2 x size) at set-up.
     lag0: u32,
-    /// Popped, not used: (id, write_len), oldest first (the queue's FIFO).
-    outstanding: Vec<(u16, u32)>,
+    /// Popped, not used: (id, write_len, ring slots), oldest first (the
+    /// queue's FIFO).
+    outstanding: Vec<(u16, u32, u16)>,
     /// Chains at the end of `outstanding` from the last pop, none of them
     /// completed since (what unpop may give back).
     last_pop: usize,
@@ -135,8 +136,18 @@ impl Run {
         if broken0 {
             assert_eq!((n, self.avail_pos(), u1), (0, a0, u0), "a broken ring moved");
         }
+        // Each chain's ring slots, for completions in one call: the chains
+        // returned follow the bad ones completed at once, and each ends at
+        // its first slot without NEXT (an indirect head has none).
+        let mut at = (a0.0 as u32 + self.dist(u0, u1)) % self.size as u32;
         for c in &batch.chains {
-            self.outstanding.push((c.head, c.write_len));
+            let mut n = 1u16;
+            while n < self.size && self.slot(at as u16).3 & VRING_DESC_F_NEXT != 0 {
+                n += 1;
+                at = (at + 1) % self.size as u32;
+            }
+            at = (at + 1) % self.size as u32;
+            self.outstanding.push((c.head, c.write_len, n));
         }
         self.last_pop = n;
         self.check_quiet();
@@ -144,7 +155,7 @@ impl Run {
 
     /// Completes outstanding chain `i` with add_used (i == 0) or add_used_id.
     fn complete(&mut self, i: usize, len_mode: u8, by_id: bool) {
-        let (id, wl) = self.outstanding[i];
+        let (id, wl, _) = self.outstanding[i];
         let len = match len_mode {
             0 => wl,
             1 => 0,
@@ -154,7 +165,7 @@ impl Run {
         if by_id {
             self.q.add_used_id(id, len);
             // The oldest chain with this id is the one completed.
-            let k = self.outstanding.iter().position(|&(x, _)| x == id).unwrap();
+            let k = self.outstanding.iter().position(|&(x, _, _)| x == id).unwrap();
             self.outstanding.remove(k);
             if k != 0 {
                 self.last_pop = 0;
@@ -174,6 +185,39 @@ impl Run {
         // publish, which is what the driver may rely on.
         self.pending = true;
         self.unpublished.insert(u0.0, (u0.1, id, len));
+        self.check_quiet();
+    }
+
+    /// Completes the oldest `k` chains with one add_used_batch: the same
+    /// used descriptors as add_used for each in turn (written at the used
+    /// position, which moves by the chain's slots). Lengths: as written,
+    /// or every other one 0 (`len_mode` 1).
+    fn complete_batch(&mut self, k: usize, len_mode: u8) {
+        let chains: Vec<virtq::Chain> = self.outstanding[..k]
+            .iter()
+            .map(|&(head, _, _)| {
+                let mut c = virtq::Chain::default();
+                c.head = head;
+                c
+            })
+            .collect();
+        let lens: Vec<u32> = self.outstanding[..k]
+            .iter()
+            .enumerate()
+            .map(|(j, &(_, wl, _))| if len_mode == 0 || j % 2 == 1 { wl } else { 0 })
+            .collect();
+        let mut u = self.used_pos();
+        self.q.add_used_batch(&chains, &lens);
+        for (j, &(id, _, ndesc)) in self.outstanding[..k].iter().enumerate() {
+            self.unpublished.insert(u.0, (u.1, id, lens[j]));
+            let next = u.0 as u32 + ndesc as u32;
+            u = if next >= self.size as u32 { ((next - self.size as u32) as u16, !u.1) } else { (next as u16, u.1) };
+            self.moved += ndesc as u32;
+        }
+        assert_eq!(self.used_pos(), u, "add_used_batch moved the used position unlike add_used per chain");
+        self.outstanding.drain(..k);
+        self.last_pop = self.last_pop.min(self.outstanding.len());
+        self.pending = true;
         self.check_quiet();
     }
 
@@ -299,7 +343,7 @@ fuzz_target!(|data: &[u8]| {
                 let chains: Vec<virtq::Chain> = run
                     .outstanding
                     .iter()
-                    .map(|&(head, _)| {
+                    .map(|&(head, _, _)| {
                         let mut c = virtq::Chain::default();
                         c.head = head;
                         c
@@ -393,6 +437,13 @@ fuzz_target!(|data: &[u8]| {
                         run.q = q;
                         run.mem = mem;
                     }
+                }
+            }
+            14 => {
+                // In order, in one call: the oldest 1-8.
+                let k = (1 + (a & 7) as usize).min(run.outstanding.len());
+                if k > 0 {
+                    run.complete_batch(k, a >> 3);
                 }
             }
             _ => {
