@@ -2,8 +2,9 @@
 //! whose descriptor ring, event suppression areas and buffers come from the
 //! input, driven by a script of pops (every Access), in-order completions
 //! (add_used), out-of-order completions (add_used_id), batched read-only
-//! completions, in-order completions in one call (add_used_batch), unpops, remaps, notification calls and driver writes
-//! (descriptors made available in either lap, raw bytes, event areas).
+//! completions, in-order completions in one call (add_used_batch), unpops,
+//! remaps, notification calls and driver writes (descriptors made
+//! available in either lap, raw bytes, event areas).
 //!
 //! Input: size (1 + b, 1..=256), feature/layout byte (bit 0 INDIRECT_DESC,
 //! bit 1 EVENT_IDX, bit 2 IN_ORDER, bits 3-4 memory table, bit 5 ring
@@ -193,14 +194,7 @@ impl Run {
     /// position, which moves by the chain's slots). Lengths: as written,
     /// or every other one 0 (`len_mode` 1).
     fn complete_batch(&mut self, k: usize, len_mode: u8) {
-        let chains: Vec<virtq::Chain> = self.outstanding[..k]
-            .iter()
-            .map(|&(head, _, _)| {
-                let mut c = virtq::Chain::default();
-                c.head = head;
-                c
-            })
-            .collect();
+        let chains = chains_of(&self.outstanding[..k]);
         let lens: Vec<u32> = self.outstanding[..k]
             .iter()
             .enumerate()
@@ -262,6 +256,19 @@ impl Run {
             Guest::write(&self.mem, p, &[*b]);
         }
     }
+}
+
+/// Chains carrying only the heads of `outstanding` entries: all a
+/// completion reads of them.
+fn chains_of(outstanding: &[(u16, u32, u16)]) -> Vec<virtq::Chain> {
+    outstanding
+        .iter()
+        .map(|&(head, _, _)| {
+            let mut c = virtq::Chain::default();
+            c.head = head;
+            c
+        })
+        .collect()
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -340,15 +347,7 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             3 => {
-                let chains: Vec<virtq::Chain> = run
-                    .outstanding
-                    .iter()
-                    .map(|&(head, _, _)| {
-                        let mut c = virtq::Chain::default();
-                        c.head = head;
-                        c
-                    })
-                    .collect();
+                let chains = chains_of(&run.outstanding);
                 let u0 = run.used_pos();
                 run.q.add_used_read_only(&chains);
                 if !chains.is_empty() {
