@@ -458,10 +458,12 @@ fn rx_mergeable(
                 room += batch.chains[k].write_len as usize;
                 k += 1;
             }
-            if room < need && batch.ended_before_bad {
+            if room < need && batch.ended_before_bad && c < popped {
                 // A bad chain sits right after these: the frame cannot be
                 // placed in order. Drop it and return the chains empty; the
-                // next pop starts with (and completes) the bad chain.
+                // next pop starts with (and completes) the bad chain. (With
+                // no chain left over, nothing is out of order: the pop below
+                // completes the bad chain and the frame goes behind it.)
                 for chain in &batch.chains[c..popped] {
                     rx.add_used(chain.head, 0);
                 }

@@ -1402,6 +1402,31 @@ impl NetRx {
         fr
     }
 
+    /// Sends frames of `lens` bytes on pair 0 in one TX batch (one kick),
+    /// so that the device delivers them to RX in one burst, and waits until
+    /// it took them all.
+    fn send_burst(&mut self, vd: &Vd, lens: &[usize]) -> Vec<Vec<u8>> {
+        let before = self.tx.stats.packets;
+        let frames: Vec<Vec<u8>> = lens
+            .iter()
+            .map(|&len| {
+                self.seq += 1;
+                frame(self.seq, len)
+            })
+            .collect();
+        for fr in &frames {
+            assert!(self.tx.send_frame(fr).unwrap());
+        }
+        self.tx.flush().unwrap();
+        let n = frames.len() as u64;
+        assert!(wait_until(T, || {
+            self.tx.reclaim().unwrap();
+            self.tx.stats.packets >= before + n
+        }));
+        vd.json();
+        frames
+    }
+
     /// A buffer the device wrote: its header and the bytes after it.
     fn header_and_data(&mut self, gpa: u64, used: u32) -> (Vec<u8>, Vec<u8>) {
         let b = self.c.read(gpa, used as usize);
@@ -1607,6 +1632,40 @@ fn rx_mergeable_bad_chain_behind_a_small_buffer_split() {
 #[test]
 fn rx_mergeable_bad_chain_behind_a_small_buffer_packed() {
     rx_mergeable_bad_chain_between(true);
+}
+
+/// With MRG_RXBUF, a bad chain right after buffers that earlier frames of
+/// the same burst used up: the pop ends before the bad chain with nothing
+/// left over for the next frame, which is no reason to drop it. The next
+/// pop completes the bad chain (counted), and the frame lands in the good
+/// buffer behind it.
+fn rx_mergeable_bad_chain_after_used_buffers(packed: bool) {
+    let want = NetQ { packets: 2, bad: direction(1), ..NetQ::default() };
+    rx_case(packed, true, QSIZE, want, |t, vd| {
+        let (g, g2) = (t.buf(), t.buf());
+        let a = t.rx.chain(&[B(g, 2048, WRITE)]);
+        let b = t.rx.chain(&[B(g + 1024, 64, 0)]);
+        let c = t.rx.chain(&[B(g2, 2048, WRITE)]);
+        // No frame waits yet, so nothing is popped before all three are posted.
+        t.rx.no_used();
+        let frs = t.send_burst(vd, &[100, 200]);
+        let (la, lc) = ((HDR + 100) as u32, (HDR + 200) as u32);
+        assert_eq!(t.rx.wait_used(3), vec![(a, la), (b, 0), (c, lc)]);
+        let (h, data) = t.header_and_data(g, la);
+        assert_eq!((num_buffers(&h), data), (1, frs[0].clone()));
+        let (h, data) = t.header_and_data(g2, lc);
+        assert_eq!((num_buffers(&h), data), (1, frs[1].clone()));
+    });
+}
+
+#[test]
+fn rx_mergeable_bad_chain_after_used_buffers_split() {
+    rx_mergeable_bad_chain_after_used_buffers(false);
+}
+
+#[test]
+fn rx_mergeable_bad_chain_after_used_buffers_packed() {
+    rx_mergeable_bad_chain_after_used_buffers(true);
 }
 
 // ---- IN_ORDER batches with a bad chain inside -----------------------------
