@@ -1275,7 +1275,9 @@ pub(crate) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
 /// # Safety
 /// As `copy_nonoverlapping`.
 unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
-    #[cfg(target_arch = "x86_64")]
+    // Miri runs no non-temporal stores: there the copy is plain, and the
+    // callers' bounds are what it checks.
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: every access lies in [src, src+n) or [dst, dst+n), which the
     // caller vouches for; the streamed stores are to 16-byte aligned
     // addresses (in whole lines); SSE2 is baseline on x86_64.
@@ -1296,7 +1298,7 @@ unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
         }
         std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(any(not(target_arch = "x86_64"), miri))]
     // SAFETY: as the caller's.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, n)
@@ -1306,11 +1308,14 @@ unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
 /// Orders the non-temporal stores before every later store (such as a
 /// used ring's index): they are weakly ordered, unlike plain x86 stores.
 fn store_fence() {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: sfence has no operands; SSE is baseline on x86_64.
     unsafe {
         std::arch::x86_64::_mm_sfence()
     };
+    // Under Miri (plain copies only) and elsewhere: an ordinary fence.
+    #[cfg(any(not(target_arch = "x86_64"), miri))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Hints the CPU to fetch the cache line at `p` (no effect on correctness).
