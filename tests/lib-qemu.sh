@@ -281,6 +281,19 @@ guest_value() {
     tr -d '\r' < "$WORK/console.log" | sed -n "s/.*VHOSTD-TEST: .*\b$1=\([^ ]*\).*/\1/p" | tail -1
 }
 
+# tell_guest NETNS: sends `done` to the guest's port 7777 (10.99.1.2) from
+# NETNS. The guest prints what the host waits for and only then starts
+# listening, so a refused connection is retried (30 s at most) until one
+# goes through or a console ($WORK/console*.log) says the guest heard it.
+tell_guest() {
+    local ns=$1 deadline=$((SECONDS + 30))
+    until echo done | timeout 10 ip netns exec "$ns" "$BUSYBOX" nc 10.99.1.2 7777 >/dev/null 2>&1; do
+        cat "$WORK"/console*.log 2>/dev/null | grep -q "VHOSTD-TEST: host_said=" && return 0
+        [ $SECONDS -lt $deadline ] || return 1
+        sleep 0.2
+    done
+}
+
 if [ "$TRANSPORT" = vfio-user ] && ! qemu_at_least 10 1; then
     echo "SKIP ${TEST_NAME:-$0}: $("$QEMU" -version | head -1) has no vfio-user-pci (10.1 or later)"
     exit 0
