@@ -418,27 +418,36 @@ fn rx_mergeable(
             return done;
         }
         prefetch_popped(batch, HDR_LEN);
-        // The common case first: frames that each fit the next chain,
-        // completed with one call (one pass on a packed ring).
-        let mut lens = [0u32; BURST];
         let mut c = 0;
-        while c < popped.min(BURST) && done < frames.len() {
-            let (f, chain) = (&frames[done], &batch.chains[c]);
-            let need = HDR_LEN + f.len;
-            if (chain.write_len as usize) < need {
+        while done < frames.len() {
+            // The common case: frames that each fit the next chain, up to a
+            // burst of them completed with one call (one pass on a packed ring).
+            let c0 = c;
+            let mut lens = [0u32; BURST];
+            while c < popped && c - c0 < BURST && done < frames.len() {
+                let (f, chain) = (&frames[done], &batch.chains[c]);
+                let need = HDR_LEN + f.len;
+                if (chain.write_len as usize) < need {
+                    break;
+                }
+                write_frame(batch.writable(chain), HDR_LEN, header_words(f, offloads, 1), f.frame());
+                lens[c - c0] = need as u32;
+                stats.packets += 1;
+                stats.bytes += f.len as u64;
+                done += 1;
+                c += 1;
+            }
+            if c > c0 {
+                rx.add_used_batch(&batch.chains[c0..c], &lens[..c - c0]);
+                if c - c0 == BURST {
+                    continue;
+                }
+            }
+            if done == frames.len() {
                 break;
             }
-            write_frame(batch.writable(chain), HDR_LEN, header_words(f, offloads, 1), f.frame());
-            lens[c] = need as u32;
-            stats.packets += 1;
-            stats.bytes += f.len as u64;
-            done += 1;
-            c += 1;
-        }
-        rx.add_used_batch(&batch.chains[..c], &lens[..c]);
-        // Then frame by frame, from the first frame that does not fit one
-        // chain: short buffers, frames over several chains, and any after.
-        while done < frames.len() {
+            // Then one frame that does not fit the next chain (a short
+            // buffer, or a frame over several chains), and back to the above.
             let f = &frames[done];
             let need = HDR_LEN + f.len;
             if c < popped && (batch.chains[c].write_len as usize) < HDR_LEN {
@@ -490,17 +499,6 @@ fn rx_mergeable(
                 continue 'refill;
             }
             let nbufs = (k - c) as u16;
-            if nbufs == 1 {
-                // The frame fits the next chain (after one that did not).
-                let chain = &batch.chains[c];
-                write_frame(batch.writable(chain), HDR_LEN, header_words(f, offloads, 1), f.frame());
-                rx.add_used(chain.head, need as u32);
-                stats.packets += 1;
-                stats.bytes += f.len as u64;
-                done += 1;
-                c = k;
-                continue;
-            }
             let mut off = 0usize;
             let mut first = true;
             for chain in &batch.chains[c..k] {

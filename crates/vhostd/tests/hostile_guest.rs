@@ -1668,6 +1668,45 @@ fn rx_mergeable_bad_chain_after_used_buffers_packed() {
     rx_mergeable_bad_chain_after_used_buffers(true);
 }
 
+/// With MRG_RXBUF, a burst mixing frames that fit one buffer with one that
+/// spans five (256-byte buffers; 100, 1200, 100 and 100 bytes): the long
+/// frame makes the device pop every posted buffer at once, and the frames
+/// after it go into the rest of that pop. Every frame lands in order, the
+/// buffers used in ring order with the right lengths and num_buffers.
+fn rx_mergeable_mixed_burst(packed: bool) {
+    rx_case(packed, true, QSIZE, NetQ { packets: 4, ..NetQ::default() }, |t, vd| {
+        let g = t.buf();
+        let ids: Vec<u16> = (0..8).map(|k| t.rx.chain(&[B(g + 256 * k, 256, WRITE)])).collect();
+        t.rx.no_used();
+        let frs = t.send_burst(vd, &[100, 1200, 100, 100]);
+        let (short, long_tail) = ((HDR + 100) as u32, (HDR + 1200 - 4 * 256) as u32);
+        let lens = [short, 256, 256, 256, 256, long_tail, short, short];
+        let want: Vec<(u16, u32)> = ids.iter().copied().zip(lens).collect();
+        assert_eq!(t.rx.wait_used(8), want);
+        let at = |k: u64| g + 256 * k;
+        let (h, data) = t.header_and_data(at(0), short);
+        assert_eq!((num_buffers(&h), data), (1, frs[0].clone()));
+        let long = t.c.read(at(1), 5 * 256);
+        assert_eq!(num_buffers(&long[..HDR]), 5);
+        assert_eq!(&long[HDR..HDR + 1200], &frs[1][..]);
+        for (k, fr) in [(6, &frs[2]), (7, &frs[3])] {
+            let (h, data) = t.header_and_data(at(k), short);
+            assert_eq!((num_buffers(&h), &data), (1, fr));
+        }
+        t.rx.no_used();
+    });
+}
+
+#[test]
+fn rx_mergeable_frames_after_one_over_several_buffers_split() {
+    rx_mergeable_mixed_burst(false);
+}
+
+#[test]
+fn rx_mergeable_frames_after_one_over_several_buffers_packed() {
+    rx_mergeable_mixed_burst(true);
+}
+
 // ---- IN_ORDER batches with a bad chain inside -----------------------------
 
 /// With IN_ORDER a TX batch is completed with one used entry (its last
