@@ -288,7 +288,7 @@ guest_value() {
 tell_guest() {
     local ns=$1 deadline=$((SECONDS + 30))
     until echo done | timeout 10 ip netns exec "$ns" "$BUSYBOX" nc 10.99.1.2 7777 >/dev/null 2>&1; do
-        cat "$WORK"/console*.log 2>/dev/null | grep -q "VHOSTD-TEST: host_said=" && return 0
+        grep -qs "VHOSTD-TEST: host_said=" "$WORK"/console*.log && return 0
         [ $SECONDS -lt $deadline ] || return 1
         sleep 0.2
     done
