@@ -95,6 +95,7 @@ pub fn build(backends: Backends, mac: [u8; 6], max_queue_size: u16) -> Built {
                 shared: shared.clone(),
                 backend_active: true,
                 tx_blocked: false,
+                rx_streaming: false,
             }) as Box<dyn QueueGroup>
         })
         .collect();
@@ -275,6 +276,9 @@ pub struct PairGroup {
     /// The guest has frames to send but the backend took none (every AF_XDP
     /// TX frame awaits its completion, or the interface is down).
     tx_blocked: bool,
+    /// The last pass put frames in the RX ring: its next lines are fetched
+    /// while TX runs.
+    rx_streaming: bool,
 }
 
 impl PairGroup {
@@ -330,6 +334,13 @@ impl QueueGroup for PairGroup {
         let mut tx_moved = 0;
         let t0 = tsc();
         self.tx_blocked = false;
+        if self.rx_streaming {
+            // The driver refilled its RX ring too: that line's miss overlaps
+            // the TX ring's rather than following it (a loop, a reply).
+            if let Some(rx) = rings[RX].as_ref() {
+                rx.queue.prefetch_next();
+            }
+        }
         if let Some(tx) = rings[TX].as_mut() {
             let n = process_tx(&mut tx.queue, &mut tx.batch, self.backend.as_mut(), self.layout, &mut self.tx);
             tx_moved = n;
@@ -352,8 +363,10 @@ impl QueueGroup for PairGroup {
             self.backend_active = reading;
             self.backend.set_active(reading);
         }
+        self.rx_streaming = false;
         if let (Some(rx), true) = (rings[RX].as_mut(), active) {
             let n = process_rx(&mut rx.queue, &mut rx.batch, self.backend.as_mut(), self.layout, &mut self.rx);
+            self.rx_streaming = n > 0;
             if n > 0 {
                 rx.notify();
                 rx.counters.busy_cycles += tsc() - t1;

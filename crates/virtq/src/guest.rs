@@ -1552,6 +1552,14 @@ impl SplitRing {
         self.avail_u16(AVAIL_IDX)
     }
 
+    /// Starts fetching the lines of avail.idx and of avail.ring[idx mod
+    /// size] (no effect on correctness).
+    #[inline(always)]
+    pub(crate) fn prefetch_avail(&self, idx: u16) {
+        prefetch(self.avail.wrapping_add(AVAIL_IDX));
+        prefetch(self.avail.wrapping_add(AVAIL_RING + 2 * (idx & self.mask) as usize));
+    }
+
     /// avail.ring[idx mod size].
     #[inline(always)]
     pub(crate) fn avail_entry(&self, idx: u16) -> u16 {

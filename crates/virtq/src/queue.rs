@@ -110,6 +110,16 @@ impl Queue {
         each!(self, q => q.available(want))
     }
 
+    /// Starts fetching the ring lines the next pop reads first, so that
+    /// their miss overlaps other work (no effect on correctness).
+    #[inline]
+    pub fn prefetch_next(&self) {
+        match self {
+            Queue::Split(q) => q.prefetch_next(),
+            Queue::Packed(q) => q.prefetch_next(),
+        }
+    }
+
     /// All chains available and not yet popped (split: reads avail.idx;
     /// packed: scans descriptor flags).
     pub fn pending(&mut self) -> u16 {
