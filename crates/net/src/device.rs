@@ -95,7 +95,7 @@ pub fn build(backends: Backends, mac: [u8; 6], max_queue_size: u16) -> Built {
                 shared: shared.clone(),
                 backend_active: true,
                 tx_blocked: false,
-                rx_streaming: false,
+                rx_filled: false,
             }) as Box<dyn QueueGroup>
         })
         .collect();
@@ -276,9 +276,9 @@ pub struct PairGroup {
     /// The guest has frames to send but the backend took none (every AF_XDP
     /// TX frame awaits its completion, or the interface is down).
     tx_blocked: bool,
-    /// The last pass put frames in the RX ring: its next lines are fetched
-    /// while TX runs.
-    rx_streaming: bool,
+    /// The last pass put frames in the RX ring: this one fetches the RX
+    /// ring's next lines while TX runs.
+    rx_filled: bool,
 }
 
 impl PairGroup {
@@ -334,9 +334,10 @@ impl QueueGroup for PairGroup {
         let mut tx_moved = 0;
         let t0 = tsc();
         self.tx_blocked = false;
-        if self.rx_streaming {
-            // The driver refilled its RX ring too: that line's miss overlaps
-            // the TX ring's rather than following it (a loop, a reply).
+        if self.rx_filled {
+            // The driver has likely refilled its RX ring too: that line's
+            // miss overlaps the TX ring's rather than following it (a loop,
+            // a reply).
             if let Some(rx) = rings[RX].as_ref() {
                 rx.queue.prefetch_next();
             }
@@ -363,10 +364,10 @@ impl QueueGroup for PairGroup {
             self.backend_active = reading;
             self.backend.set_active(reading);
         }
-        self.rx_streaming = false;
+        self.rx_filled = false;
         if let (Some(rx), true) = (rings[RX].as_mut(), active) {
             let n = process_rx(&mut rx.queue, &mut rx.batch, self.backend.as_mut(), self.layout, &mut self.rx);
-            self.rx_streaming = n > 0;
+            self.rx_filled = n > 0;
             if n > 0 {
                 rx.notify();
                 rx.counters.busy_cycles += tsc() - t1;

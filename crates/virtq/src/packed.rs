@@ -344,7 +344,7 @@ impl PackedQueue {
         // over descriptors still in flight. Counted down here rather than
         // recomputed per chain.
         let mut room = (self.ring.desc.len() as u32).saturating_sub(self.slots_in_flight());
-        self.prefetch_next_slot();
+        self.prefetch_next();
         // At most `size` chains can be popped and not yet used.
         while batch.chains.len() < max && self.popped_len < self.popped.len() {
             let pos = self.next_avail;
@@ -505,23 +505,16 @@ impl PackedQueue {
         self.stats.fast_chains += 4;
         self.stats.batch4 += 1;
         // The next group's line, while this one is copied.
-        self.prefetch_next_slot();
+        self.prefetch_next();
         true
-    }
-
-    /// Starts fetching the line the next pop reads first: the next slot's
-    /// (no effect on correctness).
-    #[inline]
-    pub fn prefetch_next(&self) {
-        self.prefetch_next_slot();
     }
 
     /// Starts fetching the ring line of the next slot to pop, for writing:
     /// the used descriptors go back into the slots read, and a line fetched
     /// for reading costs a second cross-CPU transfer, from the driver, at
-    /// the first used write.
+    /// the first used write. No effect on correctness.
     #[inline]
-    fn prefetch_next_slot(&self) {
+    pub fn prefetch_next(&self) {
         self.ring.desc.prefetch_write(self.next_avail.idx);
     }
 
@@ -897,6 +890,8 @@ mod tests {
         // A two-slot chain after them.
         avail(&mem, 4, BUFS + 0x400, 8, 0, VRING_DESC_F_NEXT | VRING_DESC_F_WRITE);
         avail(&mem, 5, BUFS + 0x500, 8, 20, VRING_DESC_F_WRITE);
+        // A prefetch changes nothing the pop sees.
+        q.prefetch_next();
         let mut b = Batch::new();
         assert_eq!(q.pop_batch(&mut b, 8, Access::WriteOnly), 5);
         assert_eq!(q.stats.batch4, 1);

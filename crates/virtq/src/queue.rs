@@ -114,10 +114,7 @@ impl Queue {
     /// their miss overlaps other work (no effect on correctness).
     #[inline]
     pub fn prefetch_next(&self) {
-        match self {
-            Queue::Split(q) => q.prefetch_next(),
-            Queue::Packed(q) => q.prefetch_next(),
-        }
+        each!(self, q => q.prefetch_next())
     }
 
     /// All chains available and not yet popped (split: reads avail.idx;

@@ -534,6 +534,8 @@ mod tests {
             assert!(mem.write(AVAIL + 4 + 2 * slot as u64, &head.to_le_bytes()));
         }
         assert!(mem.write(AVAIL + 2, &2u16.to_le_bytes()));
+        // A prefetch changes nothing the pop sees.
+        q.prefetch_next();
         let mut b = Batch::new();
         assert_eq!(q.pop_batch(&mut b, 8, Access::ReadThenWrite), 2);
         let (c0, c1) = (b.chains[0], b.chains[1]);
