@@ -27,8 +27,8 @@ pub mod split;
 
 pub use chain::{Access, Batch, Chain, ChainError, QueueStats, SetupError};
 pub use guest::{
-    DirtyLog, GuestBufs, GuestMemory, IoBufs, Mapping, MemoryError, MemoryHold, Region, Seg, LOG_PAGE, MAX_REGIONS,
-    MAX_REPLY_PIECES,
+    fence_streamed_stores, DirtyLog, GuestBufs, GuestMemory, IoBufs, Mapping, MemoryError, MemoryHold, Region, Seg,
+    LOG_PAGE, MAX_REGIONS, MAX_REPLY_PIECES,
 };
 pub use packed::{PackedConfig, PackedQueue, PACKED_BASE_INITIAL};
 pub use queue::{Queue, RingAddrs};
