@@ -1123,12 +1123,14 @@ impl IoBufs {
     /// memory (a mapped disk image) rather than by the kernel. `streaming`:
     /// with non-temporal stores (x86-64), which neither read each line
     /// before replacing it nor keep it in the cache; for memory larger than
-    /// the cache, written at random. Such stores are weakly ordered: the
-    /// caller calls `fence_streamed_stores` before anyone else may read
-    /// `dst` or learn that the write is done (once for a batch of copies).
+    /// the cache, written at random.
     ///
     /// # Safety
     /// `dst` must be writable for `data_len()` bytes and overlap no piece.
+    /// With `streaming`, the stores are weakly ordered: the caller calls
+    /// `fence_streamed_stores`, in the same thread, before anyone else may
+    /// read `dst` or learn that the write is done (once for a batch of
+    /// copies).
     pub unsafe fn copy_from_data(&self, dst: *mut u8, streaming: bool) {
         let mut done = 0;
         for s in &self.data {
@@ -1304,10 +1306,11 @@ unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
-/// Orders the non-temporal stores of `IoBufs::copy_from_data` before every
-/// later store (such as a used ring's index) and system call: they are
-/// weakly ordered, unlike plain x86 stores. It waits for them to drain, so
-/// one fence after a batch of copies costs less than one after each.
+/// Orders this thread's non-temporal stores of `IoBufs::copy_from_data`
+/// before its later stores (such as a used ring's index), and so before
+/// any system call it makes after: they are weakly ordered, unlike plain
+/// x86 stores. It waits for them to drain, so one fence after a batch of
+/// copies costs less than one after each.
 pub fn fence_streamed_stores() {
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: sfence has no operands; SSE is baseline on x86_64.
