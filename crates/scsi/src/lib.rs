@@ -239,18 +239,26 @@ impl From<Transfer> for Action {
 
 /// READ and WRITE (6/10/12/16) checked against `disk`, as [`execute`]
 /// answers them; None for every other opcode. The CDB is a request
-/// header's whole field, so no index into it needs a bounds check.
+/// header's whole field, longer than any of these opcodes' CDBs, so it is
+/// read uncut: no index into it needs a bounds check.
 #[inline(always)]
 pub fn transfer(disk: &Disk, cdb: &[u8; wire::CDB_SIZE]) -> Option<Transfer> {
-    let write = match cdb[0] {
-        op::READ_6 | op::READ_10 | op::READ_12 | op::READ_16 => false,
-        op::WRITE_6 | op::WRITE_10 | op::WRITE_12 | op::WRITE_16 => true,
+    let (write, len) = match cdb[0] {
+        op::READ_6 => (false, 6),
+        op::READ_10 => (false, 10),
+        op::READ_12 => (false, 12),
+        op::READ_16 => (false, 16),
+        op::WRITE_6 => (true, 6),
+        op::WRITE_10 => (true, 10),
+        op::WRITE_12 => (true, 12),
+        op::WRITE_16 => (true, 16),
         _ => return None,
     };
-    Some(match whole_cdb(cdb) {
-        Ok(cdb) => read_write(disk, cdb, write),
-        Err(s) => Transfer::Check(s),
-    })
+    // `whole_cdb`'s one check that can fail here: NACA in the CONTROL byte.
+    if cdb[len - 1] & 0x04 != 0 {
+        return Some(Transfer::Check(Sense::INVALID_FIELD_IN_CDB));
+    }
+    Some(read_write(disk, cdb, write))
 }
 
 /// REQUEST SENSE: the sense pending for the initiator (`pending`; None:
