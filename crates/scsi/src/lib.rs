@@ -243,6 +243,8 @@ impl From<Transfer> for Action {
 /// read uncut: no index into it needs a bounds check.
 #[inline(always)]
 pub fn transfer(disk: &Disk, cdb: &[u8; wire::CDB_SIZE]) -> Option<Transfer> {
+    // The lengths are `cdb_len`'s, spelt out: through `cdb_len` the
+    // decode took 13 more instructions a command (callgrind).
     let (write, len) = match cdb[0] {
         op::READ_6 => (false, 6),
         op::READ_10 => (false, 10),
