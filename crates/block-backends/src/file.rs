@@ -855,10 +855,10 @@ impl BlockBackend for FileBackend {
 
     fn queue(&mut self, req: &Request<'_>) -> Result<(), i64> {
         let Some(&idx) = self.slab.free.last() else {
-            return Err(-(libc::EBUSY as i64));
+            return Err(crate::NO_ROOM);
         };
         if self.room() == 0 {
-            return Err(-(libc::EBUSY as i64));
+            return Err(crate::NO_ROOM);
         }
         let idx = idx as usize;
         let writes = matches!(req.op, Op::Write | Op::Discard | Op::WriteZeroes { .. });
@@ -990,7 +990,7 @@ impl BlockBackend for FileBackend {
             }
             self.slab.slots[idx] = FREE_SLOT;
             self.slab.holds[idx] = None;
-            return Err(-(libc::EBUSY as i64));
+            return Err(crate::NO_ROOM);
         }
         self.slab.free.pop();
         self.unsubmitted += 1;

@@ -92,6 +92,9 @@ pub struct BlockStats {
     pub mapped: u64,
 }
 
+/// `BlockBackend::queue`'s error when there is no room: -EBUSY.
+pub const NO_ROOM: i64 = -(libc::EBUSY as i64);
+
 /// A block backend for one request queue.
 pub trait BlockBackend: Send {
     /// How many more requests may be queued now (in flight is bounded).
@@ -99,8 +102,8 @@ pub trait BlockBackend: Send {
     /// Queues a request; it starts at the next `submit`, or runs at once
     /// (the file backend on tmpfs) and then completes at the next `reap`,
     /// with no wake-up on `completion_fd`. Fails (negative
-    /// errno, nothing queued) when there is no room or the request is not
-    /// supported by this backend. A backend that hands the buffers to the
+    /// errno, nothing queued) when there is no room ([`NO_ROOM`]) or the
+    /// request is not supported by this backend. A backend that hands the buffers to the
     /// kernel keeps `req.bufs.memory_hold()` until the request completes
     /// (it may keep it longer, until `release_memory`).
     fn queue(&mut self, req: &Request<'_>) -> Result<(), i64>;

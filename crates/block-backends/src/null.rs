@@ -22,7 +22,7 @@ impl BlockBackend for NullBackend {
     }
     fn queue(&mut self, req: &Request<'_>) -> Result<(), i64> {
         if self.done.len() >= self.depth {
-            return Err(-(libc::EBUSY as i64));
+            return Err(crate::NO_ROOM);
         }
         let bytes = match req.op {
             crate::Op::Read | crate::Op::Write => req.bufs.data_len() as i64,
