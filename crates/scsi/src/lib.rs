@@ -243,24 +243,48 @@ impl From<Transfer> for Action {
 /// read uncut: no index into it needs a bounds check.
 #[inline(always)]
 pub fn transfer(disk: &Disk, cdb: &[u8; wire::CDB_SIZE]) -> Option<Transfer> {
-    // The lengths are `cdb_len`'s, spelt out: through `cdb_len` the
-    // decode took 13 more instructions a command (callgrind).
-    let (write, len) = match cdb[0] {
-        op::READ_6 => (false, 6),
-        op::READ_10 => (false, 10),
-        op::READ_12 => (false, 12),
-        op::READ_16 => (false, 16),
-        op::WRITE_6 => (true, 6),
-        op::WRITE_10 => (true, 10),
-        op::WRITE_12 => (true, 12),
-        op::WRITE_16 => (true, 16),
+    let be32 = |i: usize| u32::from_be_bytes([cdb[i], cdb[i + 1], cdb[i + 2], cdb[i + 3]]);
+    let be16 = |i: usize| u16::from_be_bytes([cdb[i], cdb[i + 1]]);
+    // One match decodes what `whole_cdb`, `read_write` and `lba_len` take
+    // from the CDB (a second dispatch on the group code cost 12
+    // instructions a command): direction, LBA, length, the byte with
+    // the protection and FUA bits, and the CONTROL byte at `cdb_len`'s
+    // length minus one.
+    let (write, lba, blocks, flags, control) = match cdb[0] {
+        op::READ_10 | op::WRITE_10 => (cdb[0] == op::WRITE_10, be32(2) as u64, be16(7) as u32, cdb[1], cdb[9]),
+        op::READ_16 | op::WRITE_16 => {
+            let lba = u64::from_be_bytes([cdb[2], cdb[3], cdb[4], cdb[5], cdb[6], cdb[7], cdb[8], cdb[9]]);
+            (cdb[0] == op::WRITE_16, lba, be32(10), cdb[1], cdb[15])
+        }
+        op::READ_12 | op::WRITE_12 => (cdb[0] == op::WRITE_12, be32(2) as u64, be32(6), cdb[1], cdb[11]),
+        op::READ_6 | op::WRITE_6 => {
+            let lba = (((cdb[1] & 0x1f) as u64) << 16) | ((cdb[2] as u64) << 8) | cdb[3] as u64;
+            // A length of 0 means 256 blocks; byte 1 holds LBA bits here,
+            // no protection or FUA bits.
+            let n = if cdb[4] == 0 { 256 } else { cdb[4] as u32 };
+            (cdb[0] == op::WRITE_6, lba, n, 0, cdb[5])
+        }
         _ => return None,
     };
-    // `whole_cdb`'s one check that can fail here: NACA in the CONTROL byte.
-    if cdb[len - 1] & 0x04 != 0 {
+    // NACA in the CONTROL byte (`whole_cdb`'s one check that can fail
+    // here), or RDPROTECT/WRPROTECT: no protection information here.
+    if control & 0x04 != 0 || flags & 0xe0 != 0 {
         return Some(Transfer::Check(Sense::INVALID_FIELD_IN_CDB));
     }
-    Some(read_write(disk, cdb, write))
+    if write && disk.read_only {
+        return Some(Transfer::Check(Sense::WRITE_PROTECTED));
+    }
+    if blocks > disk.max_transfer_blocks {
+        return Some(Transfer::Check(Sense::INVALID_FIELD_IN_CDB));
+    }
+    if let Err(s) = in_range(disk, lba, blocks as u64) {
+        return Some(Transfer::Check(s));
+    }
+    Some(match (blocks, write) {
+        (0, _) => Transfer::Nothing,
+        (_, true) => Transfer::Write { lba, blocks, fua: flags & 0x08 != 0 },
+        (_, false) => Transfer::Read { lba, blocks },
+    })
 }
 
 /// REQUEST SENSE: the sense pending for the initiator (`pending`; None:

@@ -1864,6 +1864,24 @@ fn hotplug_events_on_the_event_queue() {
     let mut luns = vec![0, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0];
     assert_eq!(q.good_resid(0, Cmd::report_luns(0, 64), &[], 40, &[]), luns);
     assert_eq!(check_pattern(&q.read(3, 0, 8), 0, BG), None);
+    // A unit added below the one just used moves it in the queue's list
+    // (which the queue remembers its last unit by): LUN 3's commands still
+    // reach LUN 3's image, LUN 1's LUN 1's.
+    let img1 = dir.image("lun1.img", 1 << 20);
+    q.write(3, 0, &[0x5a; 4096]);
+    // (A buffer for each of the two events this adds, as room allows.)
+    assert_eq!(ev.post(1).unwrap(), 1);
+    ctl(&sock_ctl, &["add-lun", DEV, &file_lun(1, &img1, "")]);
+    let e = next(&mut ev);
+    assert_eq!((e.event, e.lun, e.reason), (reset, lun_field(1), event::RESCAN));
+    assert_eq!(ev.post(1).unwrap(), 1);
+    assert_eq!(q.read(3, 0, 8), vec![0x5a; 4096]);
+    assert_eq!(check_pattern(&q.read(1, 0, 8), 0, BG), None);
+    assert_eq!(q.read(3, 0, 8), vec![0x5a; 4096]);
+    assert_bg(&img1, 0, 1 << 20);
+    ctl(&sock_ctl, &["remove-lun", DEV, "1"]);
+    let e = next(&mut ev);
+    assert_eq!((e.event, e.lun, e.reason), (reset, lun_field(1), event::REMOVED));
     // Removed: REMOVED, and the unit is gone.
     ctl(&sock_ctl, &["remove-lun", DEV, "3"]);
     let e = next(&mut ev);
@@ -1923,7 +1941,7 @@ fn hotplug_events_on_the_event_queue() {
         t.add(k, v);
     }
     expect_queue(&s, 2, &t);
-    assert_eq!((s.queue(1, "events"), s.queue(1, "events_missed")), (6, 1));
+    assert_eq!((s.queue(1, "events"), s.queue(1, "events_missed")), (8, 1));
 }
 
 // ---------------------------------------------------------------------------
