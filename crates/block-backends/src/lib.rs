@@ -101,9 +101,9 @@ pub trait BlockBackend: Send {
     fn room(&self) -> usize;
     /// Queues a request; it starts at the next `submit`, or runs at once
     /// (the file backend on tmpfs) and then completes at the next `reap`,
-    /// with no wake-up on `completion_fd`. Fails (negative
-    /// errno, nothing queued) when there is no room ([`NO_ROOM`]) or the
-    /// request is not supported by this backend. A backend that hands the buffers to the
+    /// with no wake-up on `completion_fd`. Fails (negative errno, nothing
+    /// queued) when there is no room ([`NO_ROOM`]) or the request is not
+    /// supported by this backend. A backend that hands the buffers to the
     /// kernel keeps `req.bufs.memory_hold()` until the request completes
     /// (it may keep it longer, until `release_memory`).
     fn queue(&mut self, req: &Request<'_>) -> Result<(), i64>;

@@ -806,7 +806,8 @@ fn start_transfer(
     let op = if write { Op::Write } else { Op::Read };
     let req = Request { tag: seq as u64, op, offset: off, len, bufs: &slot.io };
     // A backend with no room refuses it (asking `room` first cost a
-    // call a command).
+    // call a command), so a command with buffers too short or too many
+    // pieces got its answer above, whatever the backend's load.
     let queued = u.backend.queue(&req);
     if queued == Err(NO_ROOM) {
         // The unit's backend is full now: the initiator retries.
@@ -845,9 +846,10 @@ fn unit_of<'a>(units: &'a mut [Unit], cmd: &Cmd) -> Option<&'a mut Unit> {
     units.get_mut(k)
 }
 
-/// Completes a request that is not simply GOOD (failed, aborted, with
-/// sense or another status, or with no response header): its response,
-/// its counters. Returns the used length.
+/// Completes a request that is not simply GOOD: failed, aborted, with a
+/// response other than OK (OVERRUN, BAD_TARGET, FAILURE), another status
+/// or sense, or no response header. Stores its response, counts it, and
+/// returns the used length.
 fn finish_unusual(slot: &mut Slot, stats: &mut ScsiStats) -> u32 {
     if slot.cmd.failed && slot.cmd.aborted.is_none() {
         // The backend failed: MEDIUM ERROR, nothing transferred.
@@ -902,7 +904,7 @@ fn write_response(slot: &mut Slot) -> u32 {
             b[8..12].copy_from_slice(&second.to_le_bytes());
             slot.io.write_reply(&b[..12 + sense_len]);
         }
-        // Most responses: no sense, two word stores.
+        // No sense (aborted, OVERRUN, TASK SET FULL, ...): two word stores.
         _ => {
             slot.io.write_reply_head(first, second);
         }
