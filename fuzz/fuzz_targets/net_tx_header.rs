@@ -182,7 +182,9 @@ fuzz_target!(|data: &[u8]| {
             }
             1 => {
                 let broken = rx.q.is_broken();
-                process_rx(&mut rx.q, &mut batch, backend, layout, &mut rxs);
+                // Whether the guest also sent in this pass: only which lines
+                // are fetched, for writing or reading.
+                process_rx(&mut rx.q, &mut batch, backend, layout, &mut rxs, a & 1 != 0);
                 rx.check("process_rx", broken);
             }
             2 => {
@@ -239,7 +241,7 @@ fuzz_target!(|data: &[u8]| {
         process_tx(&mut tx.q, &mut batch, backend, layout, &mut txs);
         tx.check("process_tx", broken);
         let broken = rx.q.is_broken();
-        process_rx(&mut rx.q, &mut batch, backend, layout, &mut rxs);
+        process_rx(&mut rx.q, &mut batch, backend, layout, &mut rxs, true);
         rx.check("process_rx", broken);
     }
     assert_eq!(backend.stats().tx_frames - frames0, txs.packets, "frames the backend got");

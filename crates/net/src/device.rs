@@ -366,7 +366,8 @@ impl QueueGroup for PairGroup {
         }
         self.rx_filled = false;
         if let (Some(rx), true) = (rings[RX].as_mut(), active) {
-            let n = process_rx(&mut rx.queue, &mut rx.batch, self.backend.as_mut(), self.layout, &mut self.rx);
+            let sending = tx_moved > 0;
+            let n = process_rx(&mut rx.queue, &mut rx.batch, self.backend.as_mut(), self.layout, &mut self.rx, sending);
             self.rx_filled = n > 0;
             if n > 0 {
                 rx.notify();

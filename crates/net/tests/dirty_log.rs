@@ -367,7 +367,7 @@ fn net_workload(packed: bool, features: u64, table: &dyn Fn(&GuestMemory) -> Gue
     assert_eq!(process_tx(&mut tx, &mut batch, &mut backend, layout, &mut tx_stats), frames.len(), "{what}");
     for _ in 0..16 {
         if rx_stats.packets + rx_stats.dropped >= frames.len() as u64
-            || process_rx(&mut rx, &mut batch, &mut backend, layout, &mut rx_stats) == 0
+            || process_rx(&mut rx, &mut batch, &mut backend, layout, &mut rx_stats, false) == 0
         {
             break;
         }

@@ -721,14 +721,14 @@ impl<'a> GuestBufs<'a> {
 
     /// Starts fetching the first buffer's first two lines for
     /// `write_header_and` with a header of `hdr_len` bytes: for writing,
-    /// except a line the header alone ends, which `write_header_and` most
-    /// often only reads (see there) and which a fetch for writing would take
-    /// from the driver's CPU for nothing.
+    /// except, when `share_header_line`, a line the header alone ends,
+    /// which `write_header_and` most often only reads (see there) and which
+    /// a fetch for writing would take from the driver's CPU for nothing.
     #[inline(always)]
-    pub fn prefetch_for_header(&self, hdr_len: usize) {
+    pub fn prefetch_for_header(&self, hdr_len: usize, share_header_line: bool) {
         let Some(s) = self.segs.first() else { return };
         let in_line = s.addr as usize % 64;
-        if hdr_len == 12 && in_line + hdr_len == 64 && s.len as usize >= hdr_len {
+        if share_header_line && hdr_len == 12 && in_line + hdr_len == 64 && s.len as usize >= hdr_len {
             prefetch(s.addr);
         } else {
             prefetch_write(s.addr);
