@@ -849,7 +849,8 @@ impl<'a> GuestBufs<'a> {
     /// takes the line away and the driver's next read brings it back. A
     /// reposted buffer's header mostly holds the same bytes already (the
     /// same num_buffers, no offloads), and where the header alone fills the
-    /// end of its line (DPDK's mbufs) the line then stays shared. Packed
+    /// end of its line (DPDK's mbufs) the line then stays shared, if it was
+    /// fetched for reading (`prefetch_for_header`). Packed
     /// ring, 1024 entries, 64-byte frames, vhostd held behind the driver's
     /// refill: 102-114 busy cycles/packet with the header always stored
     /// (buffers fetched for writing, 8 ahead), 77-83 compared (with the

@@ -906,41 +906,54 @@ mod tests {
     }
 
     /// Four buffers alternating between two regions: the group of four
-    /// misses the region hint twice and still takes each buffer from its
-    /// own region; a group with a buffer outside memory is not taken as
-    /// a group (its chains go one by one, the bad one refused).
+    /// misses the region hint three times and still takes each buffer from
+    /// its own region. A group with a buffer outside memory, or one running
+    /// past its region's end, is not taken as a group: its chains go one by
+    /// one, and the bad one is refused.
     #[test]
     fn a_group_of_four_across_two_regions() {
         let low = Arc::new(Mapping::anonymous(0x8000).unwrap());
         let high = Arc::new(Mapping::anonymous(0x1000).unwrap());
         let regions = vec![Region::new(0, 0x8000, low, 0).unwrap(), Region::new(0x10000, 0x1000, high, 0).unwrap()];
         let mem = Arc::new(GuestMemory::from_regions(regions).unwrap());
-        let mut q = PackedQueue::new(mem.clone(), ring_of_8(0)).unwrap();
         let addr = |i: u16| if i.is_multiple_of(2) { BUFS + 0x100 * i as u64 } else { 0x10000 + 0x100 * i as u64 };
-        for i in 0..4 {
-            assert!(mem.write(addr(i), &[i as u8 + 1; 16]));
-            avail(&mem, i, addr(i), 16, 10 + i, 0);
+        // Past the high region's end: starting there, or running over it.
+        for bad in [0x10000 + 0x1000, 0x10000 + 0x1000 - 8] {
+            let mut q = PackedQueue::new(mem.clone(), ring_of_8(0)).unwrap();
+            for i in 0..4 {
+                assert!(mem.write(addr(i), &[i as u8 + 1; 16]));
+                avail(&mem, i, addr(i), 16, 10 + i, 0);
+            }
+            let mut b = Batch::new();
+            assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 4);
+            assert_eq!(q.stats.batch4, 1);
+            for (i, c) in b.chains.iter().enumerate() {
+                assert_eq!(c.head, 10 + i as u16);
+                let mut got = [0u8; 16];
+                assert_eq!(b.readable(c).read(0, &mut got), 16);
+                assert_eq!(got, [i as u8 + 1; 16], "chain {i} read another region's bytes");
+            }
+            for c in b.chains.clone() {
+                q.add_used(c.head, 0);
+            }
+            q.publish_used();
+            // Slots 4-7: the third buffer is bad.
+            for i in 4..8 {
+                avail(&mem, i, if i == 6 { bad } else { addr(i) }, 16, 10 + i, 0);
+            }
+            assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 2, "the two chains before the bad one");
+            assert_eq!(q.stats.batch4, 1, "not taken as a group");
+            assert!(b.ended_before_bad);
+            assert_eq!(b.chains.iter().map(|c| c.head).collect::<Vec<_>>(), [14, 15]);
+            for c in b.chains.clone() {
+                q.add_used(c.head, 0);
+            }
+            q.publish_used();
+            // The bad chain is refused (used with length 0), the last taken.
+            assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 1);
+            assert_eq!(b.chains[0].head, 17);
+            assert_eq!(q.stats.bad_address, 1, "buffer at {bad:#x}");
         }
-        let mut b = Batch::new();
-        assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 4);
-        assert_eq!(q.stats.batch4, 1);
-        for (i, c) in b.chains.iter().enumerate() {
-            assert_eq!(c.head, 10 + i as u16);
-            let mut got = [0u8; 16];
-            assert_eq!(b.readable(c).read(0, &mut got), 16);
-            assert_eq!(got, [i as u8 + 1; 16], "chain {i} read another region's bytes");
-        }
-        for c in b.chains.clone() {
-            q.add_used(c.head, 0);
-        }
-        q.publish_used();
-        // Slots 4-7: the third buffer lies past the high region's end.
-        for i in 4..8 {
-            let a = if i == 6 { 0x10000 + 0x1000 } else { addr(i) };
-            avail(&mem, i, a, 16, 10 + i, 0);
-        }
-        assert_eq!(q.pop_batch(&mut b, 8, Access::ReadOnly), 2, "the two chains before the bad one");
-        assert_eq!(q.stats.batch4, 1, "not taken as a group");
     }
 
     #[test]
