@@ -1943,6 +1943,32 @@ mod tests {
     }
 
     #[test]
+    fn store_body_start_stores_sixteen_bytes_where_the_body_goes_or_nothing() {
+        let mem = table();
+        let body: Vec<u8> = (0..64u8).map(|i| i ^ 0x5a).collect();
+        // The bytes from 0x1000 over the segments and their 16-byte gaps.
+        let image = |lens: &[u32]| {
+            let mut b = vec![0u8; lens.iter().map(|&l| l as usize + 16).sum()];
+            assert!(mem.read(0x1000, &mut b));
+            b
+        };
+        // Room for header and body: bytes 12..28 are the body's first 16.
+        let segs = segs_at(&mem, &[12 + 64]);
+        GuestBufs::new(&segs, &mem).store_body_start(12, &body);
+        let got = image(&[12 + 64]);
+        assert!(got[..12].iter().all(|&b| b == 0xEE), "header bytes written");
+        assert_eq!(&got[12..28], &body[..16]);
+        assert!(got[28..].iter().all(|&b| b == 0xEE), "wrote past the 16 bytes");
+        // No room for the whole body, a body under 16 bytes, or a first
+        // buffer shorter than header and body: nothing is written.
+        for (lens, len) in [(&[12 + 63][..], 64), (&[40][..], 15), (&[5, 40, 60][..], 64)] {
+            let segs = segs_at(&mem, lens);
+            GuestBufs::new(&segs, &mem).store_body_start(12, &body[..len]);
+            assert!(image(lens).iter().all(|&b| b == 0xEE), "segments {lens:?}, body {len}: wrote");
+        }
+    }
+
+    #[test]
     fn write_header_and_writes_header_and_body_and_nothing_else() {
         let mem = table();
         let hdr = (u64::from_le_bytes([1, 2, 3, 4, 5, 6, 7, 8]), u32::from_le_bytes([9, 10, 11, 12]));
