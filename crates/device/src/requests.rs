@@ -8,6 +8,24 @@ use virtq::{Access, Batch, GuestBufs, Queue};
 
 use crate::InflightLog;
 
+/// Most chains one `pop` takes. A pass starts at most this many new
+/// requests, then completes and publishes whatever has finished; the next
+/// pass takes more. (Recovering a previous backend's requests in flight
+/// still takes them all at once.)
+///
+/// Why: the driver overlaps with the device only once it sees used
+/// entries. A device that took a whole queue depth at once answered
+/// nothing until it had parsed all of it, while the driver, having
+/// published its whole depth, waited; the two CPUs took turns. In 16s the
+/// driver resubmits the first 16 while the device works on the next.
+/// vhostd-user busy-polling, null backend, poll mode, Zen 4: 1.8-2.1x the
+/// IOPS at queue depth 32 (blk and scsi), 1.3-1.7x at 128, at 0.95-1.08x
+/// the busy cycles an I/O; 8 a pass was slower (more passes, each
+/// publishing), and so was 32 at depth 128 for scsi. On io_uring each
+/// pass submits on its own, a few percent more cycles a request from the
+/// page cache. BENCHMARKS.md has the runs.
+pub const MAX_POP: usize = 16;
+
 /// A request ring's bookkeeping beside the device's own request slots.
 #[derive(Default)]
 pub struct RequestRing {
@@ -24,14 +42,15 @@ impl RequestRing {
         RequestRing { log: None, heads: Vec::with_capacity(depth) }
     }
 
-    /// Pops up to `room` chains into `batch`, each logged as in flight.
+    /// Pops up to `room` chains (at most `MAX_POP`) into `batch`, each
+    /// logged as in flight.
     /// Chains the ring rejected already have a used entry (length 0): they
     /// are published now, or an otherwise idle driver would wait for ever.
     /// Returns (chains popped, chains rejected).
     #[inline]
     pub fn pop(&mut self, q: &mut Queue, batch: &mut Batch, room: usize) -> (usize, usize) {
         let bad_before = q.stats().bad_chains;
-        let n = q.pop_batch(batch, room, Access::ReadThenWrite);
+        let n = q.pop_batch(batch, room.min(MAX_POP), Access::ReadThenWrite);
         let rejected = (q.stats().bad_chains - bad_before) as usize;
         if rejected > 0 {
             q.publish_used();
