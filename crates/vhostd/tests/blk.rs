@@ -1005,6 +1005,16 @@ fn readonly_disk_refuses_writes() {
     check_totals(&s);
 }
 
+/// Reads 0..n of 4 KiB each (read `i` at byte `i * 4096`, its `user`
+/// `i`), their buffers filled with `poison`, published with one avail.idx
+/// store.
+fn publish_reads(bq: &mut BlkQueue, n: u64, poison: u8) {
+    for i in 0..n {
+        assert!(bq.submit(BlkOp::Read { sector: i * 8, len: 4096 }, i, |b| b.fill(poison)).unwrap());
+    }
+    bq.flush().unwrap();
+}
+
 /// Polls until reads 0..n (the completions' `user`) have each completed
 /// once, OK, with 4 KiB that `data_ok` accepts.
 fn read_all_once(bq: &mut BlkQueue, n: u64, data_ok: impl Fn(u64, &[u8]) -> bool) {
@@ -1045,11 +1055,7 @@ fn at_most_256_requests_in_flight_per_queue() {
     let size = dev.get_inflight_fd(1, RING).unwrap();
     let n = 300u64;
     let mut bq = dev.blk_queue_sized(0, n as u16, 4096, Some(RING)).unwrap();
-    // All 300 published with one avail.idx store.
-    for i in 0..n {
-        assert!(bq.submit(BlkOp::Read { sector: i * 8, len: 4096 }, i, |b| b.fill(0xa5)).unwrap());
-    }
-    bq.flush().unwrap();
+    publish_reads(&mut bq, n, 0xa5);
     // The inflight region: a 16-byte header, then 16 bytes per ring entry
     // whose first byte is 1 while the request is in flight.
     let marked = || {
@@ -1068,7 +1074,6 @@ fn at_most_256_requests_in_flight_per_queue() {
     let want = BTreeMap::from([("reads", n), ("bytes_read", n * 4096)]);
     expect_counters(&s, 0, &want);
     assert_eq!(s.queue(0, "max_in_flight"), 256);
-    drop(disk);
 }
 
 /// 300 reads published at once, more than the 256 request slots: every
@@ -1082,11 +1087,7 @@ fn more_requests_than_slots_are_all_served() {
     let mut dev = connect(&d, false);
     let n = 300u64;
     let mut bq = dev.blk_queue(0, n as u16, 4096).unwrap();
-    // All 300 published with one avail.idx store.
-    for i in 0..n {
-        assert!(bq.submit(BlkOp::Read { sector: i * 8, len: 4096 }, i, |b| b.fill(0)).unwrap());
-    }
-    bq.flush().unwrap();
+    publish_reads(&mut bq, n, 0);
     read_all_once(&mut bq, n, |user, data| check_pattern(data, user * 4096, BG).is_none());
     assert_eq!(bq.reordered(), 0);
     drop(bq);
